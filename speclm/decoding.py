@@ -1,0 +1,490 @@
+"""Compiled decode loops: `autoregressive_decode` (the baseline) and `speculative_decode`.
+
+Each generation is one `jax.lax.while_loop` under `jax.jit`. The loop state is a frozen pytree
+dataclass; γ, the sampling rule and the model definitions are static, everything that varies
+per call (prompts, lengths, seeds, limits) is an array, so new prompts of the same shapes do
+not recompile. Rows advance independently: every row accepts its own n ∈ [0, γ] each round.
+
+Models are seen only through `speclm.protocol` (this module imports no model code).
+
+Bookkeeping (both loops). A row's sequence is s_0 … s_{C−1}: the prefix that `prefill`
+consumed (prompt, or decoder start token) followed by the generated tokens. The newest token
+s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C−1 positions.
+  * Baseline step: extend the target with [pending] -> p̃ -> sample the next pending token.
+  * Speculative round (Algorithm 1):
+      1. draft: roll its cache back to C−2 positions and extend with [s_{C−2}, s_{C−1}] (the
+         re-fed s_{C−2} is what lets the draft catch up after a round where all γ were kept,
+         without a branch); then γ−1 single-token steps. γ draft calls give q̃_1…q̃_γ, x_1…x_γ.
+      2. target: one extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1}.
+      3. `speculative.speculative_round` -> n accepted and one more token t.
+      4. the target cache keeps C−1+n+1 positions (rollback = lowering a length); x_1…x_n, t
+         are appended and t becomes pending.
+
+Shape letters: B batch, P prompt length, T output buffer, G γ, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from speclm import protocol
+from speclm import sampling as sampling_lib
+from speclm import speculative
+
+
+class StopReason(enum.IntEnum):
+  """Why a row stopped; `DecodeResult.stop_reasons` holds these values."""
+
+  RUNNING = 0  # never returned for a finished decode
+  END_OF_SEQUENCE = 1  # generated `eos_id` (included in the output)
+  MAX_NEW_TOKENS = 2  # reached its `max_new_tokens`
+  CACHE_FULL = 3  # the next call would not fit in the cache (only with an explicit cache_length)
+  BAD_LOGITS = 4  # a model returned NaN or inf logits
+
+
+@struct.dataclass
+class DecodeStats:
+  """Counters gathered inside the loop. Batched calls count once, whatever the batch size.
+
+  Attributes:
+    target_calls: `[]` calls of the target (prefill included).
+    draft_calls: `[]` calls of the draft (prefill included); 0 for the baseline.
+    target_calls_per_row: `[B]` target calls during which the row was still generating.
+    accepted_per_row: `[B]` drafted tokens accepted.
+    accepted_histogram: `[G+1]` how many (row, round) pairs accepted n = 0 … γ drafted tokens.
+    beta_sum, beta_count: `[]` Σ and count of β = Σ_x min(p̃, q̃) over every drafted position
+      that the row's committed sequence reached (position i of a round counts if the first
+      i−1 drafts were accepted): the exact acceptance probabilities, so α = beta_sum /
+      beta_count has no sampling noise (Corollary 3.6 along the decoded sequences).
+    beta_sum_per_row, beta_count_per_row: `[B]` the same per row.
+  """
+
+  target_calls: jax.Array
+  draft_calls: jax.Array
+  target_calls_per_row: jax.Array
+  accepted_per_row: jax.Array
+  accepted_histogram: jax.Array
+  beta_sum: jax.Array
+  beta_count: jax.Array
+  beta_sum_per_row: jax.Array
+  beta_count_per_row: jax.Array
+
+  @property
+  def alpha(self) -> float:
+    """Measured α = E[β] (NaN when nothing was drafted)."""
+    count = int(self.beta_count)
+    return float(self.beta_sum) / count if count else float('nan')
+
+  @classmethod
+  def zeros(cls, batch_size: int, gamma: int) -> 'DecodeStats':
+    zero = jnp.zeros((), jnp.int32)
+    zeros_b = jnp.zeros((batch_size,), jnp.int32)
+    return cls(target_calls=zero, draft_calls=zero, target_calls_per_row=zeros_b,
+               accepted_per_row=zeros_b,
+               accepted_histogram=jnp.zeros((gamma + 1,), jnp.int32),
+               beta_sum=jnp.zeros((), jnp.float32), beta_count=zero,
+               beta_sum_per_row=jnp.zeros((batch_size,), jnp.float32),
+               beta_count_per_row=zeros_b)
+
+
+@struct.dataclass
+class DecodeResult:
+  """Output of a decode.
+
+  Attributes:
+    tokens: `[B, max_new_tokens]` int32 generated tokens (not including the prompt); entries
+      at or past `lengths[b]` are `pad_id`.
+    lengths: `[B]` int32 number of generated tokens per row (an end token included).
+    stop_reasons: `[B]` int32 `StopReason` values.
+    stats: `DecodeStats`.
+  """
+
+  tokens: jax.Array
+  lengths: jax.Array
+  stop_reasons: jax.Array
+  stats: DecodeStats
+
+  @property
+  def tokens_per_target_call(self) -> float:
+    """Mean generated tokens per target call, over rows (1.0 for the baseline)."""
+    calls = np.asarray(self.stats.target_calls_per_row, dtype=np.float64)
+    return float(np.sum(np.asarray(self.lengths)) / max(np.sum(calls), 1.0))
+
+  def to_lists(self) -> list[list[int]]:
+    """Each row's generated tokens as a Python list."""
+    tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+    return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+
+@struct.dataclass
+class _LoopState:
+  """State carried by both decode loops (the draft fields are unused by the baseline)."""
+
+  tokens: jax.Array  # [B, T] generated so far; T leaves room for one round's overflow
+  num_generated: jax.Array  # [B]
+  prev_token: jax.Array  # [B] s_{C-2}
+  pending_token: jax.Array  # [B] s_{C-1}, not yet in the target cache
+  stop_reasons: jax.Array  # [B] StopReason, RUNNING while generating
+  target_cache: protocol.Cache
+  draft_cache: protocol.Cache
+  rng: jax.Array
+  stats: DecodeStats
+
+  @property
+  def active(self) -> jax.Array:
+    return self.stop_reasons == StopReason.RUNNING
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def autoregressive_decode(
+    model: protocol.Model,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    max_new_tokens: int | Sequence[int] = 32,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    cache_length: int | None = None,
+) -> DecodeResult:
+  """Plain sampling from `model`, one target call per token: the baseline.
+
+  Args:
+    model: the target, a `speclm.protocol.Model`.
+    prompt_tokens: `[B, P]` int, right-padded prompts (encoder inputs for encoder-decoders).
+    prompt_lengths: `[B]` int, real lengths (1 … P).
+    sampling: how logits become the distribution sampled from.
+    max_new_tokens: the generation limit, one for all rows or one per row.
+    seed: random seed (unused by greedy sampling).
+    eos_id: a token that ends a row (kept in the output), or None.
+    pad_id: the value written past each row's length in the result.
+    cache_length: cache positions per row; by default exactly enough for the prompt and every
+      new token. A smaller value stops rows with `StopReason.CACHE_FULL`.
+  """
+  prompts, lengths, limits = _validate_common(model, prompt_tokens, prompt_lengths,
+                                              sampling, max_new_tokens, seed, eos_id)
+  capacity = _capacity(model.definition, prompts.shape[1], int(limits.max()), 0, cache_length)
+  result = _autoregressive_jit(
+      model.definition, model.params, prompts, lengths, limits, jax.random.key(seed),
+      jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id), sampling=sampling,
+      buffer_length=int(limits.max()) + 1, capacity=capacity)
+  return _trim(result, int(limits.max()))
+
+
+def speculative_decode(
+    target: protocol.Model,
+    draft: protocol.Model,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    gamma: int,
+    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    max_new_tokens: int | Sequence[int] = 32,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    cache_length: int | None = None,
+) -> DecodeResult:
+  """Speculative decoding (Algorithm 1): samples exactly from `target`, γ drafts per round.
+
+  Same arguments as `autoregressive_decode`, plus the `draft` model (same vocabulary) and
+  `gamma` ≥ 1, the number of tokens the draft proposes per target call. With greedy sampling
+  the output equals `autoregressive_decode(target, …)` token for token.
+  """
+  prompts, lengths, limits = _validate_common(target, prompt_tokens, prompt_lengths,
+                                              sampling, max_new_tokens, seed, eos_id)
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    raise ValueError(f'gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}.')
+  gamma = int(gamma)
+  if not isinstance(draft, protocol.Model):
+    raise TypeError(f'draft must be a speclm.protocol.Model, got {type(draft).__name__}.')
+  if draft.vocab_size != target.vocab_size:
+    raise ValueError(
+        f'The draft and target vocabularies differ: draft has {draft.vocab_size} tokens, target'
+        f' {target.vocab_size}. Speculative sampling compares their distributions token by'
+        ' token, so they must share one vocabulary.')
+  width = prompts.shape[1]
+  if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
+    raise ValueError(
+        'The draft and target continue different sequences: after prefill the target holds'
+        f' {target.definition.prefix_length(width)} positions, the draft'
+        f' {draft.definition.prefix_length(width)}. Pair decoder-only models with decoder-only'
+        ' drafts, encoder-decoders with encoder-decoder drafts.')
+  max_new = int(limits.max())
+  target_capacity = _capacity(target.definition, prompts.shape[1], max_new, gamma, cache_length)
+  draft_capacity = _capacity(draft.definition, prompts.shape[1], max_new, gamma, cache_length)
+  result = _speculative_jit(
+      target.definition, draft.definition, target.params, draft.params, prompts, lengths,
+      limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+      jnp.int32(pad_id), gamma=gamma, sampling=sampling, buffer_length=max_new + gamma + 1,
+      target_capacity=target_capacity, draft_capacity=draft_capacity)
+  return _trim(result, max_new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation (plain Python, before anything is traced)
+
+
+def _validate_common(model, prompt_tokens, prompt_lengths, sampling, max_new_tokens, seed,
+                     eos_id):
+  if not isinstance(model, protocol.Model):
+    raise TypeError(f'model must be a speclm.protocol.Model, got {type(model).__name__}.')
+  if not isinstance(sampling, sampling_lib.SamplingConfig):
+    raise TypeError(f'sampling must be a speclm.SamplingConfig, got {type(sampling).__name__}.')
+  prompts = np.asarray(prompt_tokens)
+  lengths = np.asarray(prompt_lengths)
+  if prompts.ndim != 2:
+    raise ValueError(f'prompt_tokens must be [batch, length], got shape {prompts.shape}.')
+  if prompts.shape[0] == 0 or prompts.shape[1] == 0:
+    raise ValueError(f'The batch is empty: prompt_tokens has shape {prompts.shape}.')
+  if not np.issubdtype(prompts.dtype, np.integer):
+    raise ValueError(f'prompt_tokens must be integers, got {prompts.dtype}.')
+  batch, width = prompts.shape
+  if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer):
+    raise ValueError(f'prompt_lengths must be {batch} integers, got {lengths.dtype} of shape'
+                     f' {lengths.shape}.')
+  if lengths.min() < 1 or lengths.max() > width:
+    raise ValueError(f'prompt_lengths must lie in [1, {width}] (the prompt width), got'
+                     f' {lengths.tolist()}.')
+  if prompts.min() < 0 or prompts.max() >= model.vocab_size:
+    raise ValueError(f'prompt_tokens must lie in [0, {model.vocab_size}), got values in'
+                     f' [{prompts.min()}, {prompts.max()}].')
+  limits = np.broadcast_to(np.asarray(max_new_tokens), (batch,)).astype(np.int64)
+  if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer) or limits.min() < 1:
+    raise ValueError(f'max_new_tokens must be integers >= 1, got {max_new_tokens!r}.')
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise ValueError(f'seed must be an integer, got {seed!r}.')
+  if eos_id is not None and not 0 <= eos_id < model.vocab_size:
+    raise ValueError(f'eos_id must be a token id in [0, {model.vocab_size}) or None, got'
+                     f' {eos_id!r}.')
+  return (jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32),
+          jnp.asarray(limits, jnp.int32))
+
+
+def _capacity(definition: protocol.LanguageModel, prompt_width: int, max_new: int, gamma: int,
+              cache_length: int | None) -> int:
+  """Cache positions per row: the prefix, every new token, and one round's lookahead."""
+  prefix = int(definition.prefix_length(prompt_width))
+  needed = prefix + max_new + gamma + 1
+  if cache_length is None:
+    return needed
+  if cache_length < prefix + 1:
+    raise ValueError(
+        f'The prompt does not fit in the cache: it needs {prefix} positions plus one to'
+        f' generate, but cache_length is {cache_length}. Raise cache_length or shorten the'
+        ' prompts.')
+  return min(int(cache_length), needed)
+
+
+def _trim(result: DecodeResult, max_new: int) -> DecodeResult:
+  return result.replace(tokens=result.tokens[:, :max_new])
+
+
+# ----------------------------------------------------------------------------------------------
+# The loops
+
+
+def _append(state: _LoopState, new_tokens, num_new, limits, eos_id) -> tuple[jax.Array, ...]:
+  """Appends `new_tokens[b, :num_new[b]]` to each active row, cut at an end token or the limit.
+
+  Returns (tokens, num_generated, stop_reasons) for the next state.
+  """
+  write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
+  tokens = write(state.tokens, new_tokens, state.num_generated)
+  offsets = jnp.arange(new_tokens.shape[1])[None, :]
+  is_eos = (new_tokens == eos_id) & (offsets < num_new[:, None])
+  has_eos = jnp.any(is_eos, axis=-1)
+  kept = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, num_new)
+  total = state.num_generated + kept
+  ended = has_eos & (total <= limits)
+  total = jnp.minimum(total, limits)
+  reason = jnp.where(ended, StopReason.END_OF_SEQUENCE,
+                     jnp.where(total >= limits, StopReason.MAX_NEW_TOKENS, StopReason.RUNNING))
+  active = state.active
+  return (jnp.where(active[:, None], tokens, state.tokens),
+          jnp.where(active, total, state.num_generated),
+          jnp.where(active, reason, state.stop_reasons).astype(jnp.int32))
+
+
+def _bad(logits: jax.Array) -> jax.Array:
+  """`[B]` rows whose logits contain NaN or +inf (-inf is a legitimate zero probability)."""
+  return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=tuple(range(1, logits.ndim)))
+
+
+def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
+           buffer_length, capacity, draft_cache, gamma) -> _LoopState:
+  """Prefills the target and draws the first token from its p̃ (shared by both loops)."""
+  batch = prompts.shape[0]
+  cache = target_def.init_cache(batch, capacity)
+  logits, cache = target_def.prefill(target_params, prompts, lengths, cache)
+  rng, first_key = jax.random.split(rng)
+  first = sampling_lib.sample(first_key, sampling_lib.standardize(logits, sampling))
+  stats = DecodeStats.zeros(batch, gamma)
+  stats = stats.replace(target_calls=stats.target_calls + 1,
+                        target_calls_per_row=stats.target_calls_per_row + 1)
+  state = _LoopState(
+      tokens=jnp.zeros((batch, buffer_length), jnp.int32),
+      num_generated=jnp.zeros((batch,), jnp.int32),
+      prev_token=target_def.last_prefix_token(prompts, lengths).astype(jnp.int32),
+      pending_token=first,
+      stop_reasons=jnp.full((batch,), StopReason.RUNNING, jnp.int32),
+      target_cache=cache, draft_cache=draft_cache, rng=rng, stats=stats)
+  tokens, num_generated, reasons = _append(state, first[:, None], jnp.ones((batch,), jnp.int32),
+                                           limits, eos_id)
+  reasons = jnp.where(_bad(logits), StopReason.BAD_LOGITS, reasons)
+  return state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
+
+
+def _finish(state: _LoopState, pad_id) -> DecodeResult:
+  positions = jnp.arange(state.tokens.shape[1])[None, :]
+  tokens = jnp.where(positions < state.num_generated[:, None], state.tokens, pad_id)
+  return DecodeResult(tokens=tokens, lengths=state.num_generated,
+                      stop_reasons=state.stop_reasons, stats=state.stats)
+
+
+def _stop_if_full(reasons, lengths, needed: int, capacity: int) -> jax.Array:
+  """Rows whose cache (at `lengths`) cannot take `needed` more positions stop with CACHE_FULL."""
+  full = lengths + needed > capacity
+  return jnp.where((reasons == StopReason.RUNNING) & full, StopReason.CACHE_FULL, reasons)
+
+
+def _autoregressive_loop(model_def, params, prompts, lengths, limits, rng, eos_id, pad_id, *,
+                         sampling, buffer_length, capacity) -> DecodeResult:
+  state = _start(model_def, params, prompts, lengths, limits, rng, eos_id, sampling,
+                 buffer_length, capacity, draft_cache=None, gamma=0)
+
+  def step(state: _LoopState) -> _LoopState:
+    reasons = _stop_if_full(state.stop_reasons, model_def.cache_lengths(state.target_cache), 1,
+                            model_def.cache_capacity(state.target_cache))
+    state = state.replace(stop_reasons=reasons)
+    active = state.active
+    rng, key = jax.random.split(state.rng)
+    logits, cache = model_def.extend(params, state.pending_token[:, None], state.target_cache)
+    token = sampling_lib.sample(key, sampling_lib.standardize(logits[:, 0], sampling))
+    # Finished rows keep their cache length (their writes land past it and are never read).
+    old_lengths = model_def.cache_lengths(state.target_cache)
+    cache = model_def.rollback(cache, jnp.where(active, old_lengths + 1, old_lengths))
+    tokens, num_generated, reasons = _append(state, token[:, None], jnp.ones_like(token),
+                                             limits, eos_id)
+    reasons = jnp.where(active & _bad(logits), StopReason.BAD_LOGITS, reasons)
+    stats = state.stats.replace(target_calls=state.stats.target_calls + 1,
+                                target_calls_per_row=state.stats.target_calls_per_row + active)
+    return state.replace(tokens=tokens, num_generated=num_generated, prev_token=state.pending_token,
+                         pending_token=jnp.where(active, token, state.pending_token),
+                         stop_reasons=reasons, target_cache=cache, rng=rng, stats=stats)
+
+  state = jax.lax.while_loop(lambda s: jnp.any(s.active), step, state)
+  return _finish(state, pad_id)
+
+
+def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
+                  rng):
+  """Phase 1 of Algorithm 1: γ draft calls -> (q̃ `[B, G, V]`, x `[B, G]`, draft cache)."""
+  keys = jax.random.split(rng, gamma)
+  # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring).
+  cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
+  logits, cache = draft_def.extend(
+      draft_params, jnp.stack([state.prev_token, state.pending_token], axis=1), cache)
+  first_probs = sampling_lib.standardize(logits[:, -1], sampling)
+  first_token = sampling_lib.sample(keys[0], first_probs)
+  bad = _bad(logits)
+
+  def step(carry, key):
+    token, cache, bad = carry
+    logits, cache = draft_def.extend(draft_params, token[:, None], cache)
+    probs = sampling_lib.standardize(logits[:, 0], sampling)
+    next_token = sampling_lib.sample(key, probs)
+    return (next_token, cache, bad | _bad(logits)), (probs, next_token)
+
+  (_, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, cache, bad), keys[1:])
+  draft_probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
+  draft_tokens = jnp.concatenate([first_token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
+  return draft_probs, draft_tokens, cache, bad
+
+
+def _speculative_loop(target_def, draft_def, target_params, draft_params, prompts, lengths,
+                      limits, rng, eos_id, pad_id, *, gamma, sampling, buffer_length,
+                      target_capacity, draft_capacity) -> DecodeResult:
+  batch = prompts.shape[0]
+  draft_cache = draft_def.init_cache(batch, draft_capacity)
+  _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
+  state = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
+                 buffer_length, target_capacity, draft_cache, gamma)
+  state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+
+  def round_(state: _LoopState) -> _LoopState:
+    target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
+    # The target writes γ+1 positions after C−1; the draft γ+1 after C−2.
+    reasons = _stop_if_full(state.stop_reasons, target_lengths, gamma + 1,
+                            target_def.cache_capacity(state.target_cache))
+    reasons = _stop_if_full(reasons, target_lengths - 1, gamma + 1,
+                            draft_def.cache_capacity(state.draft_cache))
+    state = state.replace(stop_reasons=reasons)
+    active = state.active
+    rng, draft_key, uniform_key, next_key = jax.random.split(state.rng, 4)
+
+    # 1. γ guesses from the draft.
+    draft_probs, drafted, draft_cache, draft_bad = _draft_tokens(
+        draft_def, draft_params, state, target_lengths, gamma, sampling, draft_key)
+    # 2. One parallel target call on [s_{C−1}, x_1, …, x_γ] gives p̃_1 … p̃_{γ+1}.
+    logits, target_cache = target_def.extend(
+        target_params, jnp.concatenate([state.pending_token[:, None], drafted], axis=1),
+        state.target_cache)
+    target_probs = sampling_lib.standardize(logits, sampling)
+    # 3. Accept n of the guesses and draw one more token.
+    uniforms = jax.random.uniform(uniform_key, (batch, gamma))
+    result = speculative.speculative_round(draft_probs, drafted, target_probs, uniforms, next_key)
+    n = result.num_accepted
+    # 4. Keep C−1+n+1 target positions; append x_1 … x_n, t.
+    target_cache = target_def.rollback(
+        target_cache, jnp.where(active, target_lengths + n + 1, target_lengths))
+    offsets = jnp.arange(gamma + 1)[None, :]
+    padded = jnp.concatenate([drafted, drafted[:, -1:]], axis=1)
+    new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
+    tokens, num_generated, reasons = _append(state, new_tokens, n + 1, limits, eos_id)
+    reasons = jnp.where(active & (_bad(logits) | draft_bad), StopReason.BAD_LOGITS, reasons)
+    # The token before the new pending one: x_n, or the old pending token when n = 0.
+    prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
+                                                axis=1)[:, 0], state.pending_token)
+
+    # Statistics: β counts at positions 1 … min(n+1, γ), the ones the sequence reached.
+    reached = (offsets[:, :gamma] <= n[:, None]) & active[:, None]
+    beta_row = jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1)
+    count_row = jnp.sum(reached, axis=1).astype(jnp.int32)
+    s = state.stats
+    stats = s.replace(
+        target_calls=s.target_calls + 1, draft_calls=s.draft_calls + gamma,
+        target_calls_per_row=s.target_calls_per_row + active,
+        accepted_per_row=s.accepted_per_row + jnp.where(active, n, 0),
+        accepted_histogram=s.accepted_histogram + jnp.sum(
+            jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0),
+        beta_sum=s.beta_sum + jnp.sum(beta_row), beta_count=s.beta_count + jnp.sum(count_row),
+        beta_sum_per_row=s.beta_sum_per_row + beta_row,
+        beta_count_per_row=s.beta_count_per_row + count_row)
+    return state.replace(
+        tokens=tokens, num_generated=num_generated,
+        prev_token=jnp.where(active, prev, state.prev_token),
+        pending_token=jnp.where(active, result.next_token, state.pending_token),
+        stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
+        stats=stats)
+
+  state = jax.lax.while_loop(lambda s: jnp.any(s.active), round_, state)
+  return _finish(state, pad_id)
+
+
+_autoregressive_jit = jax.jit(
+    _autoregressive_loop, static_argnums=(0,),
+    static_argnames=('sampling', 'buffer_length', 'capacity'))
+_speculative_jit = jax.jit(
+    _speculative_loop, static_argnums=(0, 1),
+    static_argnames=('gamma', 'sampling', 'buffer_length', 'target_capacity', 'draft_capacity'))

@@ -1,0 +1,341 @@
+"""Decoder-only Transformers of the Llama family, implementing `speclm.protocol.LanguageModel`.
+
+RMSNorm, rotary position embeddings (RoPE, in the "rotate half" layout Hugging Face uses),
+grouped-query attention, a SwiGLU MLP, tied or untied output embeddings. The key/value cache
+is a pytree argument and return value; `extend` appends K tokens at each row's own position,
+so one call both decodes (K = 1) and verifies γ drafted tokens (K = γ+1).
+
+Parameter tree (kernels are `[in, out]`; attention kernels keep a heads axis):
+  embedder/embedding                     [V, D]
+  layers_{i}/pre_attention_norm/scale    [D]
+  layers_{i}/attention/query/kernel      [D, N, H]
+  layers_{i}/attention/key/kernel        [D, Nkv, H]
+  layers_{i}/attention/value/kernel      [D, Nkv, H]
+  layers_{i}/attention/out/kernel        [N, H, D]
+  layers_{i}/pre_mlp_norm/scale          [D]
+  layers_{i}/mlp/gate/kernel             [D, F]
+  layers_{i}/mlp/up/kernel               [D, F]
+  layers_{i}/mlp/down/kernel             [F, D]
+  final_norm/scale                       [D]
+  lm_head/kernel                         [D, V]   (absent when embeddings are tied)
+
+Shape letters: B batch, K new tokens, L cache positions, D width, N query heads, Nkv key/value
+heads, G = N / Nkv query heads per key/value head, H head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from speclm import protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling. `kind` is 'linear' or 'llama3' (as in Hugging Face configs)."""
+
+  kind: str = 'llama3'
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Hyperparameters of a Llama-family model."""
+
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  param_dtype: str = 'float32'
+  dtype: str = 'float32'  # activations and the key/value cache
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f'num_heads ({self.num_heads}) must be a multiple of num_kv_heads'
+                       f' ({self.num_kv_heads}).')
+    if self.head_dim % 2:
+      raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of every layer, `[layers, B, L, Nkv, H]`, and each row's length `[B]`."""
+
+  keys: jax.Array
+  values: jax.Array
+  lengths: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[2]
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+  """Inverse frequencies `[H/2]` of the rotary embedding, with optional scaling."""
+  exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** exponents)
+  scaling = config.rope_scaling
+  if scaling is None:
+    return inv_freq.astype(np.float32)
+  if scaling.kind == 'linear':
+    return (inv_freq / scaling.factor).astype(np.float32)
+  if scaling.kind == 'llama3':
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    in_between = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return np.where(in_between, blended, out).astype(np.float32)
+  raise ValueError(f"Unsupported RoPE scaling kind {scaling.kind!r}; expected 'linear' or"
+                   " 'llama3'.")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates `x` `[B, K, heads, H]` by its absolute `positions` `[B, K]` (rotate-half layout)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, K, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def _dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+  # float32 accumulation: XLA's CPU bf16 dots are slow and lossy otherwise.
+  return jnp.einsum(spec, x, kernel.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Kernel(nn.Module):
+  """A bias-free projection whose kernel has the given shape; `spec` is its einsum."""
+
+  shape: tuple[int, ...]
+  spec: str
+  fan_in: int
+  param_dtype: Any
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
+    kernel = self.param('kernel', init, self.shape, self.param_dtype)
+    return _dot(self.spec, x, kernel, self.dtype)
+
+
+class Attention(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, positions, keys, values, lengths):
+    """x `[B, K, D]`; keys/values `[B, L, Nkv, H]` of this layer; lengths `[B]` before x."""
+    c = self.config
+    pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
+    d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+    q = Kernel((d, n, h), 'BKD,DNH->BKNH', d, pd, dt, name='query')(x)
+    k = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, name='key')(x)
+    v = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, name='value')(x)
+    inv_freq = rope_frequencies(c)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+
+    # Write the K new entries at each row's own offset (a scatter across rows).
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+        cache, new.astype(cache.dtype), (start, 0, 0)))
+    keys = write(keys, k, lengths)
+    values = write(values, v, lengths)
+
+    # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
+    cache_positions = jnp.arange(keys.shape[1])
+    visible = cache_positions[None, None, :] <= positions[:, :, None]  # [B, K, L]
+    groups = n // nkv
+    q = q.reshape(q.shape[0], q.shape[1], nkv, groups, h)
+    scores = jnp.einsum('BKNGH,BLNH->BNGKL', q, keys.astype(dt),
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum('BNGKL,BLNH->BKNGH', weights, values.astype(dt),
+                     preferred_element_type=jnp.float32).astype(dt)
+    out = out.reshape(out.shape[0], out.shape[1], n, h)
+    out = Kernel((n, h, d), 'BKNH,NHD->BKD', n * h, pd, dt, name='out')(out)
+    return out, keys, values
+
+
+class MLP(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
+    gate = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='gate')(x)
+    up = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='up')(x)
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
+    return Kernel((c.mlp_dim, c.embed_dim), 'BKF,FD->BKD', c.mlp_dim, pd, dt, name='down')(hidden)
+
+
+class DecoderLayer(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, positions, keys, values, lengths):
+    c = self.config
+    pd = jnp.dtype(c.param_dtype)
+    attn_out, keys, values = Attention(c, name='attention')(
+        RMSNorm(c.norm_eps, pd, name='pre_attention_norm')(x), positions, keys, values, lengths)
+    x = x + attn_out
+    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, pd, name='pre_mlp_norm')(x))
+    return x, keys, values
+
+
+class LlamaModule(nn.Module):
+  """The Flax module. `__call__` returns final hidden states; `logits` applies the head."""
+
+  config: LlamaConfig
+
+  def setup(self):
+    c = self.config
+    pd = jnp.dtype(c.param_dtype)
+    self.embedder = nn.Embed(c.vocab_size, c.embed_dim, param_dtype=pd,
+                             embedding_init=nn.initializers.normal(stddev=1.0 / math.sqrt(c.embed_dim)))
+    self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]  # named layers_0, layers_1, …
+    self.final_norm = RMSNorm(c.norm_eps, pd)
+    if not c.tie_embeddings:
+      self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
+                            jnp.float32)
+
+  def __call__(self, tokens, cache: KVCache):
+    """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache)."""
+    dt = jnp.dtype(self.config.dtype)
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    x = self.embedder(tokens).astype(dt)
+    new_keys, new_values = [], []
+    for i, layer in enumerate(self.layers):
+      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths)
+      new_keys.append(k)
+      new_values.append(v)
+    x = self.final_norm(x)
+    cache = KVCache(keys=jnp.stack(new_keys), values=jnp.stack(new_values),
+                    lengths=cache.lengths + tokens.shape[1])
+    return x, cache
+
+  def logits(self, hidden):
+    """hidden `[B, K, D]` -> float32 logits `[B, K, V]`."""
+    if self.config.tie_embeddings:
+      table = self.embedder.embedding
+      return jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return self.lm_head(hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama(protocol.LanguageModel):
+  """`speclm.protocol.LanguageModel` for a `LlamaConfig`."""
+
+  config: LlamaConfig
+
+  @property
+  def vocab_size(self) -> int:  # type: ignore[override]
+    return self.config.vocab_size
+
+  @property
+  def module(self) -> LlamaModule:
+    return LlamaModule(self.config)
+
+  def init_params(self, rng: jax.Array) -> dict:
+    cache = self.init_cache(1, 1)
+    return self.module.init(rng, jnp.zeros((1, 1), jnp.int32), cache)['params']
+
+  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    c = self.config
+    shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
+    return KVCache(keys=jnp.zeros(shape, c.dtype), values=jnp.zeros(shape, c.dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    hidden, cache = self.module.apply({'params': params}, inputs, cache)
+    last = jnp.take_along_axis(hidden, (input_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+    logits = self.module.apply({'params': params}, last, method=LlamaModule.logits)[:, 0]
+    return logits, cache.replace(lengths=input_lengths.astype(jnp.int32))
+
+  def extend(self, params, tokens, cache):
+    hidden, cache = self.module.apply({'params': params}, tokens, cache)
+    return self.module.apply({'params': params}, hidden, method=LlamaModule.logits), cache
+
+  def prefix_length(self, input_lengths):
+    return input_lengths
+
+  def last_prefix_token(self, inputs, input_lengths):
+    return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
+
+  def forward(self, params, tokens) -> jax.Array:
+    """Teacher-forced logits `[B, T, V]` for full sequences `[B, T]`, without a cache."""
+    cache = self.init_cache(tokens.shape[0], tokens.shape[1])
+    return self.extend(params, tokens, cache)[0]
+
+  def validate_params(self, params) -> None:
+    expected = jax.eval_shape(self.init_params, jax.random.key(0))
+    _check_tree_shapes(expected, params)
+
+
+def _check_tree_shapes(expected, actual) -> None:
+  flat_expected = {jax.tree_util.keystr(k): v for k, v in
+                   jax.tree_util.tree_flatten_with_path(expected)[0]}
+  flat_actual = {jax.tree_util.keystr(k): v for k, v in
+                 jax.tree_util.tree_flatten_with_path(actual)[0]}
+  missing = sorted(set(flat_expected) - set(flat_actual))
+  extra = sorted(set(flat_actual) - set(flat_expected))
+  if missing or extra:
+    raise ValueError(f'Parameter tree mismatch: missing {missing[:5]}, unexpected {extra[:5]}.')
+  for name, want in flat_expected.items():
+    got = flat_actual[name]
+    if tuple(got.shape) != tuple(want.shape):
+      raise ValueError(f'Parameter {name} has shape {tuple(got.shape)}, the config expects'
+                       f' {tuple(want.shape)}.')
+
+
+def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2, seed: int = 0,
+                 *, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
+                 mlp_dim: int | None = None, dtype: str = 'float32',
+                 tie_embeddings: bool = True) -> protocol.Model:
+  """A small Llama with random weights, for tests and examples, in one call."""
+  config = LlamaConfig(
+      vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, head_dim=head_dim or max(2, embed_dim // num_heads),
+      mlp_dim=mlp_dim or 2 * embed_dim, tie_embeddings=tie_embeddings, param_dtype=dtype,
+      dtype=dtype)
+  definition = Llama(config)
+  return protocol.Model(definition, definition.init_params(jax.random.key(seed)))

@@ -1,0 +1,91 @@
+"""The model protocol: the one seam between decoding algorithms and models.
+
+Decode loops see a model only through the pure functions below, over explicit pytrees (in
+the spirit of T5X's `tokens_to_logits` callback). A model *definition* is static and
+hashable (a frozen dataclass: it is a static argument of `jax.jit`); its *parameters* and
+*cache* are pytrees passed in and returned.
+
+The autoregressive sequence a model continues is, for a decoder-only model, the prompt; for
+an encoder-decoder model, the decoder's start token (the encoder input lives in the cache).
+The cache holds the first `lengths[b]` positions of row b's sequence; entries past a row's
+length are masked, never read, so rolling a row back is just lowering its length.
+
+Shape letters: B batch, P prompt (input) length, K tokens appended in one call, V vocabulary,
+L cache capacity in positions.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Params = Any
+Cache = Any  # a pytree with an int32 `[B]` field `lengths`
+
+
+class LanguageModel(abc.ABC):
+  """A model definition, as decode loops see it. Subclasses are frozen (hashable) dataclasses."""
+
+  vocab_size: int
+
+  @abc.abstractmethod
+  def init_cache(self, batch_size: int, max_length: int) -> Cache:
+    """An empty cache able to hold `max_length` positions per row, all lengths 0."""
+
+  @abc.abstractmethod
+  def prefill(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
+              cache: Cache) -> tuple[jax.Array, Cache]:
+    """Processes the inputs `[B, P]` (right-padded; row b's real length `input_lengths[b]`).
+
+    Returns the logits `[B, V]` for the first new token and the cache, whose lengths are then
+    `prefix_length(input_lengths)`.
+    """
+
+  @abc.abstractmethod
+  def extend(self, params: Params, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    """Appends `tokens` `[B, K]` at each row's own position, causal within the K.
+
+    Returns logits `[B, K, V]` (position k predicts the token after tokens[:, k]) and the cache
+    with every row's length increased by K. K = 1 is a decode step; K = γ+1 is verification.
+    """
+
+  @abc.abstractmethod
+  def prefix_length(self, input_lengths: jax.Array | int) -> jax.Array | int:
+    """How many cache positions `prefill` fills for inputs of the given lengths."""
+
+  @abc.abstractmethod
+  def last_prefix_token(self, inputs: jax.Array, input_lengths: jax.Array) -> jax.Array:
+    """`[B]` the last token of the sequence after `prefill` (the prompt's last, or the start token)."""
+
+  # Functional cache bookkeeping; models whose cache is a struct with `lengths` keep these.
+  def cache_lengths(self, cache: Cache) -> jax.Array:
+    """`[B]` int32 positions held by each row."""
+    return cache.lengths
+
+  def rollback(self, cache: Cache, lengths: jax.Array) -> Cache:
+    """The cache with each row cut back (or forward, over already written entries) to `lengths`."""
+    return cache.replace(lengths=lengths.astype(jnp.int32))
+
+  def cache_capacity(self, cache: Cache) -> int:
+    """Static number of positions the cache can hold per row."""
+    return cache.capacity
+
+  def validate_params(self, params: Params) -> None:
+    """Raises ValueError if `params` does not fit this definition. Optional."""
+    del params
+
+
+@struct.dataclass
+class Model:
+  """A model definition bundled with its parameters; a pytree whose only leaves are params."""
+
+  definition: LanguageModel = struct.field(pytree_node=False)
+  params: Params
+
+  @property
+  def vocab_size(self) -> int:
+    return self.definition.vocab_size

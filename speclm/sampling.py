@@ -1,0 +1,103 @@
+"""Standardized sampling (paper §2.2): logits -> the distribution actually sampled from.
+
+Every sampling rule the paper considers (argmax, temperature, top-k, nucleus) is a fixed map
+from a model's logits to a probability vector p̃ from which one plain categorical draw is
+made. Speculative sampling (Algorithm 1) works on these standardized distributions, so the
+target's p̃ and the draft's q̃ must come out of the *same* function — this one.
+
+Shape letters: B batch, V vocabulary; `...` is any leading batch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How logits become the distribution sampled from.
+
+  Applied in this order: temperature, then top-k, then top-p (as Hugging Face and T5X do).
+
+  Attributes:
+    temperature: 0 means argmax (a one-hot distribution; ties go to the lowest token id).
+      Otherwise logits are divided by it before the softmax.
+    top_k: keep the k most probable tokens (0 = keep all). Tokens tied with the k-th largest
+      logit are all kept, so the kept set never depends on token ids.
+    top_p: nucleus sampling; keep the smallest set of most probable tokens whose mass reaches
+      top_p (1.0 = keep all). Among tokens of equal probability the lower id comes first.
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    # Validate eagerly: a bad setting must fail here, in Python, not inside a traced loop.
+    if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+      raise ValueError(
+          f'SamplingConfig.temperature must be a number >= 0 (0 means greedy), got'
+          f' {self.temperature!r}.')
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+      raise ValueError(
+          f'SamplingConfig.top_k must be an integer >= 0 (0 disables top-k), got'
+          f' {self.top_k!r}.')
+    if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+      raise ValueError(
+          f'SamplingConfig.top_p must be in (0, 1] (1 disables nucleus sampling), got'
+          f' {self.top_p!r}.')
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.temperature == 0
+
+  def standardize(self, logits: jax.Array) -> jax.Array:
+    """Logits `[..., V]` -> float32 probabilities `[..., V]` summing to 1 on the last axis."""
+    return standardize(logits, self)
+
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def standardize(logits: jax.Array, config: SamplingConfig) -> jax.Array:
+  """The standardized distribution p̃ of paper §2.2, in float32.
+
+  Logits of -inf (a draft that never proposes some tokens) become exact zeros. At least one
+  logit per row must be finite.
+  """
+  logits = logits.astype(jnp.float32)
+  if config.is_greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+  logits = logits / config.temperature
+  if config.top_k and config.top_k < logits.shape[-1]:
+    kth_largest = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
+    logits = jnp.where(logits >= kth_largest, logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if config.top_p < 1.0:
+    probs = _nucleus(probs, config.top_p)
+  return probs
+
+
+def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:
+  """Keeps the smallest most-probable prefix of tokens whose mass reaches `top_p`."""
+  # Stable sort on -probs: ties keep ascending token order, so the cut is deterministic.
+  order = jnp.argsort(-probs, axis=-1, stable=True)
+  sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  keep_sorted = mass_before < top_p  # the token that crosses top_p is kept; the first always is
+  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+  kept = jnp.where(keep, probs, 0.0)
+  return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+
+def sample(rng: jax.Array, probs: jax.Array) -> jax.Array:
+  """One categorical draw per row from probabilities `[..., V]` -> int32 token ids `[...]`.
+
+  Zero-probability tokens are never drawn, so a one-hot (greedy) row always yields its token.
+  """
+  log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+  return jax.random.categorical(rng, log_probs, axis=-1).astype(jnp.int32)
