@@ -251,6 +251,11 @@ class LlamaModule(nn.Module):
                     lengths=cache.lengths + tokens.shape[1])
     return x, cache
 
+  def hidden_and_logits(self, tokens, cache: KVCache):
+    """Both halves in one call; used to initialize every parameter, the head included."""
+    hidden, cache = self(tokens, cache)
+    return self.logits(hidden), cache
+
   def logits(self, hidden):
     """hidden `[B, K, D]` -> float32 logits `[B, K, V]`."""
     if self.config.tie_embeddings:
@@ -276,7 +281,8 @@ class Llama(protocol.LanguageModel):
 
   def init_params(self, rng: jax.Array) -> dict:
     cache = self.init_cache(1, 1)
-    return self.module.init(rng, jnp.zeros((1, 1), jnp.int32), cache)['params']
+    return self.module.init(rng, jnp.zeros((1, 1), jnp.int32), cache,
+                            method=LlamaModule.hidden_and_logits)['params']
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     c = self.config
@@ -338,4 +344,4 @@ def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2,
       mlp_dim=mlp_dim or 2 * embed_dim, tie_embeddings=tie_embeddings, param_dtype=dtype,
       dtype=dtype)
   definition = Llama(config)
-  return protocol.Model(definition, definition.init_params(jax.random.key(seed)))
+  return protocol.Model(definition, jax.jit(definition.init_params)(jax.random.key(seed)))

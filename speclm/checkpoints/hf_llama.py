@@ -1,0 +1,251 @@
+"""Reads Hugging Face Llama checkpoint directories (`config.json` + `*.safetensors`).
+
+A directory as `LlamaForCausalLM.save_pretrained` writes it (one file or shards with a
+`model.safetensors.index.json`) becomes a `speclm.protocol.Model` whose logits equal
+Hugging Face's. Safetensors files are parsed here directly (an 8-byte header length, a JSON
+header, raw little-endian arrays), so nothing is unpickled and bfloat16 needs no torch.
+`*.bin` (pickle) checkpoints are refused.
+
+Name mapping (HF weights are `[out, in]`; our kernels `[in, out]`):
+  model.embed_tokens.weight                 -> embedder/embedding
+  model.layers.{i}.input_layernorm          -> layers_{i}/pre_attention_norm/scale
+  model.layers.{i}.self_attn.{q,k,v}_proj   -> layers_{i}/attention/{query,key,value}/kernel
+  model.layers.{i}.self_attn.o_proj         -> layers_{i}/attention/out/kernel
+  model.layers.{i}.post_attention_layernorm -> layers_{i}/pre_mlp_norm/scale
+  model.layers.{i}.mlp.{gate,up,down}_proj  -> layers_{i}/mlp/{gate,up,down}/kernel
+  model.norm.weight                         -> final_norm/scale
+  lm_head.weight                            -> lm_head/kernel (absent when tied)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import struct
+from typing import Any, Mapping
+
+import numpy as np
+
+from speclm import protocol
+from speclm.models import llama
+
+_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'I64': np.int64,
+           'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8, 'BOOL': np.bool_}
+
+
+# ----------------------------------------------------------------------------------------------
+# Safetensors
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """Every tensor of one `.safetensors` file as a numpy array (bfloat16 via `ml_dtypes`)."""
+  path = os.fspath(path)
+  with open(path, 'rb') as f:
+    raw = f.read(8)
+    if len(raw) != 8:
+      raise ValueError(f'{path!r} is not a safetensors file (too short).')
+    (header_len,) = struct.unpack('<Q', raw)
+    if header_len > os.path.getsize(path) - 8:
+      raise ValueError(f'{path!r} is not a safetensors file (bad header length).')
+    try:
+      header = json.loads(f.read(header_len))
+    except ValueError as e:
+      raise ValueError(f'{path!r} has a corrupt safetensors header: {e}') from e
+  data = np.memmap(path, dtype=np.uint8, mode='r', offset=8 + header_len)
+  tensors = {}
+  for name, info in header.items():
+    if name == '__metadata__':
+      continue
+    dtype_name = info['dtype']
+    if dtype_name == 'BF16':
+      import ml_dtypes  # pylint: disable=import-outside-toplevel  # ships with jax
+      dtype = np.dtype(ml_dtypes.bfloat16)
+    elif dtype_name in _DTYPES:
+      dtype = np.dtype(_DTYPES[dtype_name])
+    else:
+      raise ValueError(f'{path!r}: tensor {name!r} has unsupported dtype {dtype_name}.')
+    start, end = info['data_offsets']
+    shape = tuple(info['shape'])
+    if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or end > data.size:
+      raise ValueError(f'{path!r}: tensor {name!r} has inconsistent offsets (corrupt file?).')
+    tensors[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
+  return tensors
+
+
+def read_directory_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All weights of a HF checkpoint directory (single file or shards)."""
+  directory = os.fspath(directory)
+  files = sorted(glob.glob(os.path.join(directory, '*.safetensors')))
+  if not files:
+    pickled = glob.glob(os.path.join(directory, '*.bin')) + glob.glob(
+        os.path.join(directory, '*.pt'))
+    hint = (' It holds only pickled PyTorch weights, which speclm never loads (unpickling runs'
+            ' arbitrary code); convert them to safetensors first.') if pickled else ''
+    raise FileNotFoundError(f'No *.safetensors files in {directory!r}.{hint}')
+  weights: dict[str, np.ndarray] = {}
+  for path in files:
+    weights.update(read_safetensors(path))
+  return weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def _rope_scaling(rope: Mapping[str, Any] | None) -> llama.RopeScaling | None:
+  if not rope:
+    return None
+  kind = rope.get('rope_type', rope.get('type', 'default'))
+  if kind == 'default':
+    return None
+  if kind == 'linear':
+    return llama.RopeScaling(kind='linear', factor=float(rope['factor']))
+  if kind == 'llama3':
+    return llama.RopeScaling(
+        kind='llama3', factor=float(rope['factor']),
+        low_freq_factor=float(rope['low_freq_factor']),
+        high_freq_factor=float(rope['high_freq_factor']),
+        original_max_position=int(rope['original_max_position_embeddings']))
+  raise ValueError(f"Unsupported RoPE scaling {kind!r}; speclm supports 'linear' and 'llama3'.")
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: str = 'float32',
+                   tie_embeddings: bool | None = None) -> llama.LlamaConfig:
+  """A `LlamaConfig` from a HF `config.json` dictionary (transformers 4.x or 5.x keys)."""
+  model_type = hf.get('model_type', 'llama')
+  if model_type not in ('llama', 'mistral') and 'LlamaForCausalLM' not in hf.get(
+      'architectures', []):
+    raise ValueError(f'config.json describes a {model_type!r} model; this reader handles Llama'
+                     ' checkpoints (model_type "llama").')
+  for flag in ('attention_bias', 'mlp_bias'):
+    if hf.get(flag):
+      raise ValueError(f'config.json sets {flag}; speclm\'s Llama has no projection biases.')
+  if hf.get('hidden_act', 'silu') != 'silu':
+    raise ValueError(f'Unsupported activation {hf["hidden_act"]!r}; Llama uses silu.')
+  if hf.get('sliding_window'):
+    raise ValueError('Sliding-window attention is not supported.')
+  num_heads = int(hf['num_attention_heads'])
+  embed_dim = int(hf['hidden_size'])
+  rope = hf.get('rope_parameters') or {}  # transformers >= 5 keeps theta and scaling here
+  theta = float(rope.get('rope_theta', hf.get('rope_theta', 10_000.0)))
+  scaling = _rope_scaling(rope if rope else hf.get('rope_scaling'))
+  tie = bool(hf.get('tie_word_embeddings', False)) if tie_embeddings is None else tie_embeddings
+  return llama.LlamaConfig(
+      vocab_size=int(hf['vocab_size']),
+      num_layers=int(hf['num_hidden_layers']),
+      embed_dim=embed_dim,
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get('num_key_value_heads') or num_heads),
+      head_dim=int(hf.get('head_dim') or embed_dim // num_heads),
+      mlp_dim=int(hf['intermediate_size']),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
+      tie_embeddings=tie,
+      param_dtype=dtype,
+      dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters
+
+
+def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig) -> dict:
+  """HF Llama weights (names as `LlamaForCausalLM.state_dict()`) -> our parameter tree."""
+  c = config
+  d, n, nkv, h, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+  used = set()
+  if c.param_dtype == 'bfloat16':
+    import ml_dtypes  # pylint: disable=import-outside-toplevel
+    target = np.dtype(ml_dtypes.bfloat16)
+  else:
+    target = np.dtype(c.param_dtype)
+
+  def get(name, shape):
+    if name not in weights:
+      raise ValueError(f'The checkpoint lacks {name!r}.')
+    x = np.asarray(weights[name])
+    if x.shape != shape:
+      raise ValueError(f'{name!r} has shape {x.shape}, the config expects {shape}.')
+    used.add(name)
+    return x.astype(np.float32)
+
+  def cast(x):
+    return np.ascontiguousarray(x).astype(target)
+
+  params: dict[str, Any] = {
+      'embedder': {'embedding': cast(get('model.embed_tokens.weight', (c.vocab_size, d)))},
+      'final_norm': {'scale': cast(get('model.norm.weight', (d,)))},
+  }
+  if not c.tie_embeddings:
+    params['lm_head'] = {'kernel': cast(get('lm_head.weight', (c.vocab_size, d)).T)}
+  for i in range(c.num_layers):
+    p = f'model.layers.{i}.'
+    params[f'layers_{i}'] = {
+        'pre_attention_norm': {'scale': cast(get(p + 'input_layernorm.weight', (d,)))},
+        'attention': {
+            'query': {'kernel': cast(get(p + 'self_attn.q_proj.weight', (n * h, d)).T
+                                     .reshape(d, n, h))},
+            'key': {'kernel': cast(get(p + 'self_attn.k_proj.weight', (nkv * h, d)).T
+                                   .reshape(d, nkv, h))},
+            'value': {'kernel': cast(get(p + 'self_attn.v_proj.weight', (nkv * h, d)).T
+                                     .reshape(d, nkv, h))},
+            'out': {'kernel': cast(get(p + 'self_attn.o_proj.weight', (d, n * h)).T
+                                   .reshape(n, h, d))},
+        },
+        'pre_mlp_norm': {'scale': cast(get(p + 'post_attention_layernorm.weight', (d,)))},
+        'mlp': {
+            'gate': {'kernel': cast(get(p + 'mlp.gate_proj.weight', (f, d)).T)},
+            'up': {'kernel': cast(get(p + 'mlp.up_proj.weight', (f, d)).T)},
+            'down': {'kernel': cast(get(p + 'mlp.down_proj.weight', (d, f)).T)},
+        },
+    }
+  ignorable = ('rotary_emb.inv_freq',)
+  extra = sorted(k for k in set(weights) - used
+                 if not k.endswith(ignorable) and not (c.tie_embeddings and k == 'lm_head.weight'))
+  if extra:
+    raise ValueError(f'The checkpoint has weights a Llama model does not use: {extra[:5]}.')
+  return params
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+  """`config.json` of a HF checkpoint directory as a dictionary."""
+  path = os.path.join(os.fspath(directory), 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No config.json in {os.fspath(directory)!r}: not a Hugging Face'
+                            ' checkpoint directory.')
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> protocol.Model:
+  """Reads a HF Llama checkpoint directory into a `speclm.protocol.Model` (a `llama.Llama`).
+
+  Embeddings count as tied when `config.json` says so or when `lm_head.weight` is absent.
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  hf = read_config(directory)
+  config = config_from_hf(hf, dtype=dtype)  # validates before any weight is read
+  weights = read_directory_weights(directory)
+  if not config.tie_embeddings and 'lm_head.weight' not in weights:
+    config = dataclasses.replace(config, tie_embeddings=True)
+  params = params_from_hf(weights, config)
+  params = _to_jax(params, jnp)
+  definition = llama.Llama(config)
+  definition.validate_params(params)
+  return protocol.Model(definition, params)
+
+
+def load_tokenizer(directory: str | os.PathLike):
+  """The directory's `tokenizer.json` (+ `tokenizer_config.json`) as a `speclm.tokenizer.Tokenizer`."""
+  from speclm import tokenizer  # pylint: disable=import-outside-toplevel
+  return tokenizer.Tokenizer.from_pretrained_dir(directory)
+
+
+def _to_jax(tree, jnp):
+  if isinstance(tree, dict):
+    return {k: _to_jax(v, jnp) for k, v in tree.items()}
+  return jnp.asarray(tree)

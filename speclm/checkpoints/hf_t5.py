@@ -1,0 +1,201 @@
+"""Hugging Face T5 directories (`config.json` + `*.safetensors`) as T5X-named parameters.
+
+Reads `T5ForConditionalGeneration` checkpoints (t5-small … t5-11b, google/t5-v1_1-*,
+google/flan-t5-*, …). v1.0 vs v1.1 is read from the config: `feed_forward_proj` ('relu' or
+'gated-gelu') and `tie_word_embeddings`. Torch `.bin` files are pickles and are refused.
+
+Name mapping (HF `nn.Linear` weights are `[out, in]`; T5X kernels `[in, out]`, so every
+kernel is transposed; the relative attention table is `[buckets, heads]` in HF, `[heads,
+buckets]` in T5X):
+  shared.weight                                        token_embedder/embedding
+  {enc}.block.0.layer.0.SelfAttention.relative_attention_bias.weight
+                                                       encoder/relpos_bias/rel_embedding (ᵀ)
+  encoder.block.{i}.layer.0.layer_norm.weight          encoder/layers_i/pre_attention_layer_norm/scale
+  encoder.block.{i}.layer.0.SelfAttention.{q,k,v,o}    encoder/layers_i/attention/{query,key,value,out}
+  encoder.block.{i}.layer.1.layer_norm.weight          encoder/layers_i/pre_mlp_layer_norm/scale
+  encoder.block.{i}.layer.1.DenseReluDense.{wi,wi_0,wi_1,wo}  encoder/layers_i/mlp/…
+  encoder.final_layer_norm.weight                      encoder/encoder_norm/scale
+  decoder.block.{i}.layer.0 (SelfAttention)            decoder/layers_i/{pre_self_attention_layer_norm, self_attention}
+  decoder.block.{i}.layer.1 (EncDecAttention)          decoder/layers_i/{pre_cross_attention_layer_norm, encoder_decoder_attention}
+  decoder.block.{i}.layer.2 (DenseReluDense)           decoder/layers_i/{pre_mlp_layer_norm, mlp}
+  decoder.final_layer_norm.weight                      decoder/decoder_norm/scale
+  lm_head.weight                                       decoder/logits_dense/kernel (ᵀ; v1.1 only;
+                                                       shared.weight when lm_head is not saved)
+
+v1.0 vs v1.1: transformers < 5 wrote `tie_word_embeddings: false` for v1.1; transformers ≥ 5
+always writes `tie_word_embeddings: true` and marks v1.0 by `scale_decoder_outputs: true`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from speclm.checkpoints import safetensors_io
+from speclm.checkpoints.t5x import CheckpointError
+from speclm.models import t5
+
+_ATTN = {'q': 'query', 'k': 'key', 'v': 'value', 'o': 'out'}
+
+
+def config_from_hf(hf_config: dict, *, dtype: str = 'float32',
+                   param_dtype: str | None = None) -> t5.T5Config:
+  """A `T5Config` from a Hugging Face T5 `config.json` dict."""
+  proj = hf_config.get('feed_forward_proj', 'relu')
+  gated = proj.startswith('gated-')
+  act = proj[len('gated-'):] if gated else proj
+  act = {'gelu_new': 'gelu', 'gelu': 'gelu' if gated else 'gelu_exact', 'relu': 'relu',
+         'silu': 'silu'}.get(act)
+  if act is None:
+    raise CheckpointError(f'Unsupported T5 feed_forward_proj {proj!r}; expected relu, gelu,'
+                          ' gated-gelu, gated-relu or gated-silu.')
+  # Output scaling marks v1.0 (logits = embedding / √D). transformers ≥ 5 records it as
+  # `scale_decoder_outputs` (and always sets tie_word_embeddings); older configs used
+  # tie_word_embeddings=False for v1.1.
+  if 'scale_decoder_outputs' in hf_config:
+    tied = bool(hf_config['scale_decoder_outputs'])
+  else:
+    tied = bool(hf_config.get('tie_word_embeddings', True))
+  num_layers = int(hf_config['num_layers'])
+  return t5.T5Config(
+      vocab_size=int(hf_config['vocab_size']), emb_dim=int(hf_config['d_model']),
+      num_heads=int(hf_config['num_heads']), head_dim=int(hf_config['d_kv']),
+      num_encoder_layers=num_layers,
+      num_decoder_layers=int(hf_config.get('num_decoder_layers') or num_layers),
+      mlp_dim=int(hf_config['d_ff']),
+      mlp_activations=(act, 'linear') if gated else (act,),
+      logits_via_embedding=tied,
+      relative_attention_num_buckets=int(hf_config.get('relative_attention_num_buckets', 32)),
+      relative_attention_max_distance=int(hf_config.get('relative_attention_max_distance', 128)),
+      layer_norm_epsilon=float(hf_config.get('layer_norm_epsilon', 1e-6)),
+      decoder_start_token_id=int(hf_config.get('decoder_start_token_id') or 0),
+      pad_id=int(hf_config.get('pad_token_id') or 0),
+      eos_id=int(hf_config.get('eos_token_id') if hf_config.get('eos_token_id') is not None
+                 else 1),
+      dtype=dtype, param_dtype=param_dtype or dtype)
+
+
+def read_hf_config(directory: str | os.PathLike) -> dict:
+  path = os.path.join(os.fspath(directory), 'config.json')
+  if not os.path.isfile(path):
+    raise CheckpointError(f'Not a Hugging Face model directory (no config.json): {path}')
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f'Corrupt config.json: {path} ({e})') from e
+
+
+def _open_tensors(directory: str) -> dict[str, tuple[safetensors_io.SafetensorsFile, str]]:
+  """name -> (file, name) over every safetensors shard of `directory`."""
+  index_path = os.path.join(directory, 'model.safetensors.index.json')
+  if os.path.isfile(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f)['weight_map']
+    files = sorted(set(weight_map.values()))
+  else:
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory,
+                                                                       '*.safetensors')))
+  if not files:
+    pickles = [p for p in os.listdir(directory) if p.endswith(('.bin', '.pt', '.pth'))]
+    hint = (f' It has {pickles[0]}, a pickle, which speclm never loads; re-save the model with'
+            ' save_pretrained(..., safe_serialization=True).' if pickles else '')
+    raise CheckpointError(f'No *.safetensors files in {directory}.{hint}')
+  out = {}
+  for name in files:
+    shard = safetensors_io.SafetensorsFile(os.path.join(directory, name))
+    for key in shard:
+      out[key] = (shard, key)
+  return out
+
+
+def _mapping(config: t5.T5Config) -> dict[str, tuple[str, bool]]:
+  """T5X name -> (HF name, transpose?)."""
+  m = {'token_embedder/embedding': ('shared.weight', False),
+       'encoder/encoder_norm/scale': ('encoder.final_layer_norm.weight', False),
+       'decoder/decoder_norm/scale': ('decoder.final_layer_norm.weight', False),
+       'encoder/relpos_bias/rel_embedding': (
+           'encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight', True),
+       'decoder/relpos_bias/rel_embedding': (
+           'decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight', True)}
+  if not config.logits_via_embedding:
+    m['decoder/logits_dense/kernel'] = ('lm_head.weight', True)
+  acts = config.mlp_activations
+  mlp_names = ['wi'] if len(acts) == 1 else [f'wi_{i}' for i in range(len(acts))]
+  mlp_names.append('wo')
+
+  def attention(prefix, hf_prefix):
+    for hf, ours in _ATTN.items():
+      m[f'{prefix}/{ours}/kernel'] = (f'{hf_prefix}.{hf}.weight', True)
+
+  def mlp(prefix, hf_prefix):
+    for name in mlp_names:
+      m[f'{prefix}/{name}/kernel'] = (f'{hf_prefix}.{name}.weight', True)
+
+  for i in range(config.num_encoder_layers):
+    p, h = f'encoder/layers_{i}', f'encoder.block.{i}.layer'
+    m[f'{p}/pre_attention_layer_norm/scale'] = (f'{h}.0.layer_norm.weight', False)
+    attention(f'{p}/attention', f'{h}.0.SelfAttention')
+    m[f'{p}/pre_mlp_layer_norm/scale'] = (f'{h}.1.layer_norm.weight', False)
+    mlp(f'{p}/mlp', f'{h}.1.DenseReluDense')
+  for i in range(config.num_decoder_layers):
+    p, h = f'decoder/layers_{i}', f'decoder.block.{i}.layer'
+    m[f'{p}/pre_self_attention_layer_norm/scale'] = (f'{h}.0.layer_norm.weight', False)
+    attention(f'{p}/self_attention', f'{h}.0.SelfAttention')
+    m[f'{p}/pre_cross_attention_layer_norm/scale'] = (f'{h}.1.layer_norm.weight', False)
+    attention(f'{p}/encoder_decoder_attention', f'{h}.1.EncDecAttention')
+    m[f'{p}/pre_mlp_layer_norm/scale'] = (f'{h}.2.layer_norm.weight', False)
+    mlp(f'{p}/mlp', f'{h}.2.DenseReluDense')
+  return m
+
+
+def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
+               param_dtype: str | None = None,
+               config: t5.T5Config | None = None) -> tuple[t5.T5Config, dict[str, Any]]:
+  """Reads a Hugging Face T5 directory -> (`T5Config`, T5X-named nested dict of numpy arrays).
+
+  Args:
+    directory: holds `config.json` and `model.safetensors` (or shards and their index).
+    dtype: activation dtype of the returned config; parameters are cast to `param_dtype`
+      (default: `dtype`) while reading.
+    config: check the checkpoint against this config instead of the one in config.json.
+  """
+  directory = os.fspath(directory)
+  if not os.path.isdir(directory):
+    raise CheckpointError(f'Hugging Face model directory not found: {directory}')
+  hf_config = read_hf_config(directory)
+  if config is None:
+    config = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+  tensors = _open_tensors(directory)
+  expected = t5.flatten_names(t5.T5(config).param_shapes())
+  target_dtype = np.dtype(param_dtype or config.param_dtype)
+  flat = {}
+  for ours, (hf_name, transpose) in _mapping(config).items():
+    entry = tensors.get(hf_name)
+    if entry is None and hf_name in ('shared.weight', 'lm_head.weight'):
+      # Tied weights are saved once, under any of their names.
+      for alias in ('shared.weight', 'encoder.embed_tokens.weight',
+                    'decoder.embed_tokens.weight'):
+        entry = entry or tensors.get(alias)
+    if entry is None:
+      raise CheckpointError(f'{directory} has no tensor {hf_name!r} (needed for {ours}).')
+    arr = entry[0][entry[1]]
+    if transpose:
+      arr = arr.T
+    want = tuple(expected[ours].shape)
+    if tuple(arr.shape) != want:
+      raise CheckpointError(f'Parameter {ours} (from {hf_name} in {directory}) has shape'
+                            f' {tuple(arr.shape)}, the model config expects {want}.')
+    flat[ours] = np.ascontiguousarray(arr).astype(target_dtype)
+  tree: dict = {}
+  for name, value in flat.items():
+    node = tree
+    *parents, leaf = name.split('/')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return config, tree

@@ -1,0 +1,592 @@
+"""T5X checkpoints: the legacy msgpack + TensorStore format (read and write) and Orbax (read).
+
+Legacy layout of `checkpoint_<step>/`:
+  checkpoint                 msgpack of {'version': 3, 'target': {...}, 'state': {...}} (older
+                             checkpoints nest them as {'optimizer': {'target', 'state'}}).
+                             Small arrays are inline as msgpack extension types (code 1: array,
+                             code 3: numpy scalar), each the msgpack of (shape, dtype name, C-order
+                             bytes); dtype names include 'bfloat16'. Arrays above 1 GiB may be
+                             split by Flax into {'__msgpack_chunked_array__': True, ...}.
+  target.encoder.layers_0…   large arrays as zarr v2 (gzip chunks), referenced in the msgpack by
+                             a TensorStore spec whose kvstore path is relative to the directory.
+
+Only `target` (the parameters) is read: the optimizer state's inline arrays are never decoded
+and its zarr arrays never opened. Nothing is unpickled. Local paths and `gs://` paths work (the
+latter through TensorStore's GCS kvstore, with the usual Google credentials).
+
+Public functions:
+  load_t5x_checkpoint(path, expected=None, dtype=None) -> nested dict of numpy arrays
+  save_t5x_checkpoint(directory, params, step=0)       -> writes the legacy format
+  load_orbax_checkpoint(path, expected=None, dtype=None)
+  load_checkpoint(path, …)                             -> detects legacy vs Orbax
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import posixpath
+import re
+import zlib
+from typing import Any, Mapping
+
+import jax
+import ml_dtypes
+import msgpack
+import numpy as np
+
+SUPPORTED_VERSIONS = (1, 2, 3)
+WRITE_VERSION = 3
+_EXT_ARRAY = 1
+_EXT_SCALAR = 3
+# Arrays at least this large go to zarr when writing (T5X keeps only tiny ones inline).
+DEFAULT_ZARR_MIN_BYTES = 1 << 16
+_CHUNK_TARGET_BYTES = 64 << 20
+
+
+class CheckpointError(ValueError):
+  """A missing, truncated, corrupt or mismatched checkpoint; the message names the path."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Paths and bytes (local or gs://)
+
+
+def _is_gcs(path: str) -> bool:
+  return path.startswith('gs://')
+
+
+def _split_gcs(path: str) -> tuple[str, str]:
+  m = re.fullmatch(r'gs://([^/]+)/?(.*)', path, re.DOTALL)
+  if m is None:
+    raise CheckpointError(f'Malformed GCS path: {path}')
+  return m.group(1), m.group(2)
+
+
+def _join(base: str, *parts: str) -> str:
+  return posixpath.join(base, *parts) if _is_gcs(base) else os.path.join(base, *parts)
+
+
+def _gcs_kvstore(path: str):
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  bucket, prefix = _split_gcs(path)
+  return ts.KvStore.open({'driver': 'gcs', 'bucket': bucket, 'path': ''}).result(), prefix
+
+
+def _read_bytes(path: str) -> bytes:
+  if _is_gcs(path):
+    try:
+      store, key = _gcs_kvstore(path)
+      result = store.read(key).result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'Cannot read {path}: {e}') from e
+    if result.state != 'value':
+      raise CheckpointError(f'Checkpoint file not found: {path}')
+    return bytes(result.value)
+  if not os.path.isfile(path):
+    raise CheckpointError(f'Checkpoint file not found: {path}')
+  with open(path, 'rb') as f:
+    return f.read()
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+  if _is_gcs(path):
+    store, key = _gcs_kvstore(path)
+    store.write(key, data).result()
+    return
+  tmp = path + '.tmp'
+  with open(tmp, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, path)  # the msgpack appears only once complete
+
+
+def _exists(path: str) -> bool:
+  if _is_gcs(path):
+    try:
+      store, key = _gcs_kvstore(path)
+      return store.read(key).result().state == 'value'
+    except Exception:  # pylint: disable=broad-except
+      return False
+  return os.path.exists(path)
+
+
+def _checkpoint_file(path: str) -> tuple[str, str]:
+  """(msgpack file, directory its relative zarr paths start from) for a dir or a file path."""
+  path = os.fspath(path)
+  if _is_gcs(path):
+    path = path.rstrip('/')
+    candidate = _join(path, 'checkpoint')
+    if _exists(candidate):
+      return candidate, path
+    return path, posixpath.dirname(path)
+  if os.path.isdir(path):
+    return os.path.join(path, 'checkpoint'), path
+  return path, os.path.dirname(os.path.abspath(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# msgpack decoding
+
+
+class _Inline:
+  """An inline array kept as bytes until (unless) it is needed."""
+
+  __slots__ = ('code', 'data')
+
+  def __init__(self, code: int, data: bytes):
+    self.code, self.data = code, data
+
+
+def _dtype_from_name(name) -> np.dtype:
+  if isinstance(name, bytes):
+    name = name.decode()
+  if name == 'bfloat16':
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+def _decode_inline(leaf: _Inline, name: str, source: str) -> np.ndarray:
+  try:
+    shape, dtype_name, buffer = msgpack.unpackb(leaf.data, raw=True)
+    dtype = _dtype_from_name(dtype_name)
+    shape = tuple(int(d) for d in shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(buffer) != expected:
+      raise ValueError(f'{len(buffer)} bytes for shape {shape} of {dtype} ({expected} needed)')
+    arr = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'Corrupt inline array {name} in {source}: {e}') from e
+  return arr
+
+
+def _parse_msgpack(data: bytes, source: str) -> dict:
+  try:
+    state = msgpack.unpackb(data, ext_hook=_Inline, raw=False, strict_map_key=False)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'Corrupt or truncated T5X checkpoint file {source}: {e}') from e
+  if not isinstance(state, dict):
+    raise CheckpointError(f'{source} is not a T5X checkpoint (top level is not a map).')
+  version = state.get('version')
+  if version not in SUPPORTED_VERSIONS:
+    raise CheckpointError(f'{source}: unsupported T5X checkpoint version {version!r} (expected'
+                          f' one of {SUPPORTED_VERSIONS}).')
+  return state
+
+
+def _target(state: dict, source: str) -> dict:
+  if isinstance(state.get('target'), dict):
+    return state['target']
+  optimizer = state.get('optimizer')
+  if isinstance(optimizer, dict) and isinstance(optimizer.get('target'), dict):
+    return optimizer['target']
+  raise CheckpointError(f'{source} holds no parameters: neither "target" nor'
+                        ' "optimizer/target" is present.')
+
+
+def _is_ts_spec(node) -> bool:
+  return isinstance(node, dict) and 'driver' in node and ('kvstore' in node or 'path' in node)
+
+
+def _is_chunked(node) -> bool:
+  return isinstance(node, dict) and '__msgpack_chunked_array__' in node
+
+
+def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    name = f'{prefix}/{key}' if prefix else str(key)
+    if isinstance(value, dict) and not _is_ts_spec(value) and not _is_chunked(value):
+      out.update(_flatten(value, name))
+    else:
+      out[name] = value
+  return out
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict:
+  tree: dict = {}
+  for name, value in flat.items():
+    node = tree
+    *parents, leaf = name.split('/')
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return tree
+
+
+# ----------------------------------------------------------------------------------------------
+# zarr arrays
+
+
+_ZARR_DTYPES = {'bfloat16': np.dtype(ml_dtypes.bfloat16)}
+
+
+def _zarr_dtype(name: str) -> np.dtype:
+  return _ZARR_DTYPES.get(name) or np.dtype(name)
+
+
+def _spec_shape(spec: dict, name: str, source: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(d) for d in spec['metadata']['shape'])
+  except (KeyError, TypeError) as e:
+    raise CheckpointError(f'TensorStore spec of {name} in {source} has no metadata.shape:'
+                          f' {spec!r}') from e
+
+
+def _relative_path(spec: dict) -> str:
+  kvstore = spec.get('kvstore')
+  if isinstance(kvstore, dict) and 'path' in kvstore:
+    return kvstore['path']
+  return spec['path']  # tensorstore < 0.1.14 wrote the path at the top level
+
+
+def _local_zarr_metadata(array_dir: str, spec: dict) -> dict:
+  zarray = os.path.join(array_dir, '.zarray')
+  if os.path.isfile(zarray):
+    import json  # pylint: disable=g-import-not-at-top
+    with open(zarray) as f:
+      return json.load(f)
+  return dict(spec.get('metadata', {}))
+
+
+def _chunk_keys(shape, chunks, separator: str) -> list[str]:
+  grid = [max(1, -(-s // c)) for s, c in zip(shape, chunks)]
+  if not grid:
+    return ['0']
+  return [separator.join(str(i) for i in idx) for idx in np.ndindex(*grid)]
+
+
+def _read_zarr_numpy(array_dir: str, metadata: dict, dtype: np.dtype, name: str) -> np.ndarray:
+  """Reads a local zarr v2 array without TensorStore (used when `.zarray` is absent, as in
+  checkpoints copied without their hidden files: the msgpack spec carries the metadata)."""
+  shape = tuple(int(d) for d in metadata['shape'])
+  chunks = tuple(int(d) for d in metadata.get('chunks') or shape)
+  compressor = metadata.get('compressor')
+  order = metadata.get('order', 'C')
+  out = np.zeros(shape, dtype)
+  separator = metadata.get('dimension_separator', '.')
+  for key in _chunk_keys(shape, chunks, separator):
+    path = os.path.join(array_dir, key)
+    with open(path, 'rb') as f:
+      raw = f.read()
+    try:
+      if compressor is None:
+        data = raw
+      elif compressor.get('id') == 'gzip':
+        data = gzip.decompress(raw)
+      elif compressor.get('id') == 'zlib':
+        data = zlib.decompress(raw)
+      else:
+        raise CheckpointError(f'{name}: zarr compressor {compressor!r} is not supported without'
+                              f' a .zarray file (TensorStore reads it when present): {array_dir}')
+      chunk = np.frombuffer(data, dtype).reshape(chunks or (), order=order)
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'Corrupt or truncated zarr chunk of {name}: {path} ({e})') from e
+    index = tuple(int(i) for i in key.split(separator)) if shape else ()
+    region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
+    out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
+  return out
+
+
+def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
+  rel = _relative_path(spec)
+  dtype = _zarr_dtype(spec.get('dtype') or spec['metadata']['dtype'])
+  if _is_gcs(base_dir):
+    bucket, prefix = _split_gcs(base_dir)
+    kvstore = {'driver': 'gcs', 'bucket': bucket, 'path': posixpath.join(prefix, rel)}
+    where = posixpath.join(base_dir, rel)
+  else:
+    array_dir = os.path.join(base_dir, rel)
+    where = array_dir
+    if not os.path.isdir(array_dir):
+      raise CheckpointError(f'Missing zarr array for {name}: {array_dir} (referenced by'
+                            f' {source}).')
+    metadata = _local_zarr_metadata(array_dir, spec)
+    separator = metadata.get('dimension_separator', '.')
+    shape = tuple(int(d) for d in metadata['shape'])
+    for key in _chunk_keys(shape, metadata.get('chunks') or shape, separator):
+      if not os.path.isfile(os.path.join(array_dir, key)):
+        raise CheckpointError(f'Missing zarr chunk of {name}: {os.path.join(array_dir, key)}')
+    if not os.path.isfile(os.path.join(array_dir, '.zarray')):
+      return _read_zarr_numpy(array_dir, metadata, dtype, name)
+    kvstore = {'driver': 'file', 'path': array_dir}
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  try:
+    store = ts.open({'driver': 'zarr', 'kvstore': kvstore}, open=True, read=True).result()
+    arr = np.asarray(store.read().result())
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'Cannot read zarr array {name} at {where}: {e}') from e
+  return arr
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def _cast(arr: np.ndarray, dtype) -> np.ndarray:
+  if dtype is None:
+    return arr
+  dtype = np.dtype(dtype)
+  if arr.dtype == np.uint16 and dtype != np.uint16:
+    # Old T5X checkpoints stored bfloat16 in zarr as its uint16 bit pattern.
+    arr = arr.view(ml_dtypes.bfloat16)
+  return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def _check_names(flat_expected: Mapping[str, Any], flat_actual: Mapping[str, Any],
+                 source: str) -> None:
+  missing = sorted(set(flat_expected) - set(flat_actual))
+  extra = sorted(set(flat_actual) - set(flat_expected))
+  if missing or extra:
+    raise CheckpointError(
+        f'The parameters in {source} do not match the model: missing {missing[:5]}'
+        f'{" …" if len(missing) > 5 else ""}, unexpected {extra[:5]}'
+        f'{" …" if len(extra) > 5 else ""}.')
+
+
+def _expected_flat(expected) -> dict[str, Any] | None:
+  if expected is None:
+    return None
+  from speclm.models.t5 import flatten_names  # pylint: disable=g-import-not-at-top
+  return flatten_names(jax.tree_util.tree_map(lambda x: x, expected))
+
+
+def _check_shape(name: str, got, want, source: str) -> None:
+  if tuple(got) != tuple(want):
+    raise CheckpointError(f'Parameter {name} in {source} has shape {tuple(got)}, the model'
+                          f' config expects {tuple(want)}.')
+
+
+def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
+  """Reads the parameters (`target`) of a legacy T5X checkpoint as a nested dict of numpy.
+
+  Args:
+    path: a `checkpoint_<step>` directory (local or gs://) or the msgpack file itself.
+    expected: optional tree of arrays or `jax.ShapeDtypeStruct`s (e.g. `T5(config)
+      .param_shapes()`): names and shapes are checked before any large array is read, and
+      arrays are cast to its dtypes unless `dtype` is given.
+    dtype: cast every array to this dtype while reading.
+  """
+  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
+  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
+  flat = _flatten(_target(state, msgpack_path))
+  flat_expected = _expected_flat(expected)
+  if flat_expected is not None:
+    _check_names(flat_expected, flat, msgpack_path)
+
+  def shape_of(name, leaf):
+    if isinstance(leaf, _Inline):
+      return None  # checked after decoding (cheap)
+    if _is_ts_spec(leaf):
+      return _spec_shape(leaf, name, msgpack_path)
+    if _is_chunked(leaf):
+      return tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
+    return np.shape(leaf)
+
+  if flat_expected is not None:  # fail on a shape mismatch before reading big arrays
+    for name, leaf in flat.items():
+      got = shape_of(name, leaf)
+      if got is not None:
+        _check_shape(name, got, flat_expected[name].shape, msgpack_path)
+
+  out = {}
+  for name, leaf in flat.items():
+    if isinstance(leaf, _Inline):
+      arr = _decode_inline(leaf, name, msgpack_path)
+      if leaf.code == _EXT_SCALAR:
+        arr = arr.reshape(())
+    elif _is_ts_spec(leaf):
+      arr = _read_zarr(leaf, base_dir, name, msgpack_path)
+    elif _is_chunked(leaf):
+      pieces = [leaf['chunks'][str(i)] for i in range(len(leaf['chunks']))]
+      pieces = [_decode_inline(p, name, msgpack_path) if isinstance(p, _Inline) else p
+                for p in pieces]
+      shape = tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
+      arr = np.concatenate([np.ravel(p) for p in pieces]).reshape(shape)
+    else:
+      arr = np.asarray(leaf)
+    if flat_expected is not None:
+      _check_shape(name, arr.shape, flat_expected[name].shape, msgpack_path)
+      want = dtype if dtype is not None else flat_expected[name].dtype
+    else:
+      want = dtype
+    out[name] = _cast(arr, want)
+  return _unflatten(out)
+
+
+def read_t5x_state(path: str | os.PathLike) -> dict:
+  """The whole state of a legacy checkpoint (target and optimizer state), every array read.
+
+  For inspection and tests; `load_t5x_checkpoint` is what restores parameters.
+  """
+  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
+  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
+
+  def load(node, prefix):
+    if isinstance(node, _Inline):
+      arr = _decode_inline(node, prefix, msgpack_path)
+      return arr.reshape(()) if node.code == _EXT_SCALAR else arr
+    if _is_ts_spec(node):
+      return _read_zarr(node, base_dir, prefix, msgpack_path)
+    if isinstance(node, dict):
+      return {k: load(v, f'{prefix}/{k}' if prefix else str(k)) for k, v in node.items()}
+    return node
+
+  return load(state, '')
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def _encode_inline(arr: np.ndarray, code: int = _EXT_ARRAY) -> msgpack.ExtType:
+  arr = np.ascontiguousarray(arr)
+  payload = msgpack.packb((list(arr.shape), arr.dtype.name, arr.tobytes('C')), use_bin_type=True)
+  return msgpack.ExtType(code, payload)
+
+
+def _zarr_chunks(shape: tuple[int, ...], itemsize: int) -> list[int]:
+  """One chunk unless it would exceed ~64 MiB; then split the leading axis."""
+  if not shape:
+    return []
+  row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+  rows = max(1, min(shape[0], _CHUNK_TARGET_BYTES // max(row_bytes, 1)))
+  return [rows, *shape[1:]]
+
+
+def _write_zarr(arr: np.ndarray, directory: str, rel: str) -> dict:
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  dtype_name = 'bfloat16' if arr.dtype == ml_dtypes.bfloat16 else arr.dtype.name
+  metadata = {'chunks': _zarr_chunks(arr.shape, arr.dtype.itemsize),
+              'compressor': {'id': 'gzip', 'level': 1}, 'shape': list(arr.shape)}
+  if _is_gcs(directory):
+    bucket, prefix = _split_gcs(directory)
+    kvstore = {'driver': 'gcs', 'bucket': bucket, 'path': posixpath.join(prefix, rel)}
+    stored_driver = 'gcs'
+  else:
+    kvstore = {'driver': 'file', 'path': os.path.join(directory, rel)}
+    stored_driver = 'file'
+  store = ts.open({'driver': 'zarr', 'dtype': dtype_name, 'kvstore': kvstore,
+                   'metadata': metadata}, create=True, delete_existing=True).result()
+  store.write(arr).result()
+  # The msgpack holds the spec with a path relative to the checkpoint directory, as T5X's.
+  return {'driver': 'zarr', 'dtype': dtype_name,
+          'kvstore': {'driver': stored_driver, 'path': rel}, 'metadata': metadata}
+
+
+def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
+                        zarr_min_bytes: int = DEFAULT_ZARR_MIN_BYTES) -> str:
+  """Writes `params` as a legacy T5X checkpoint directory (msgpack + zarr); returns its path.
+
+  Arrays of at least `zarr_min_bytes` bytes are written as gzip-compressed zarr arrays named
+  `target.<dotted parameter path>`; smaller ones are inline in the msgpack. The optimizer state
+  holds only the step (`param_states` is empty), which T5X's inference and fine-tuning
+  restore (`load_t5x_checkpoint`, or `restore` from `target` only) accept. The msgpack file is
+  written last, so a directory with a `checkpoint` file is complete.
+  """
+  directory = os.fspath(directory)
+  if not _is_gcs(directory):
+    os.makedirs(directory, exist_ok=True)
+  from speclm.models.t5 import flatten_names  # pylint: disable=g-import-not-at-top
+  flat = flatten_names(params)
+  target = {}
+  for name, value in flat.items():
+    arr = np.asarray(jax.device_get(value))
+    if arr.nbytes >= zarr_min_bytes and arr.ndim > 0:
+      target[name] = _write_zarr(arr, directory, 'target.' + name.replace('/', '.'))
+    else:
+      target[name] = _encode_inline(arr)
+  state = {'version': WRITE_VERSION, 'target': _unflatten(target),
+           'state': {'step': _encode_inline(np.asarray(step, np.int32), _EXT_SCALAR),
+                     'param_states': {}}}
+  _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
+  return directory
+
+
+# ----------------------------------------------------------------------------------------------
+# Orbax
+
+
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+  path = os.fspath(path)
+  return any(_exists(_join(path, marker)) for marker in
+             ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt', 'state/_METADATA'))
+
+
+def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
+  """Reads the parameters of a T5X Orbax checkpoint (a PyTree checkpoint) as numpy arrays.
+
+  The parameters are the tree's `target` (T5X), `params`, or `optimizer/target` entry, or
+  the whole tree if none exists; only that subtree is restored.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.fspath(path)
+  if not _is_gcs(path):
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, 'state')) and not os.path.exists(
+        os.path.join(path, '_METADATA')):
+      path = os.path.join(path, 'state')  # a CheckpointManager step with a 'state' item
+    if not os.path.isdir(path):
+      raise CheckpointError(f'Orbax checkpoint directory not found: {path}')
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    metadata = checkpointer.metadata(path)
+    tree = getattr(metadata, 'item_metadata', None) or metadata
+    tree = getattr(tree, 'tree', tree)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'Cannot read Orbax checkpoint metadata at {path}: {e}') from e
+  tree = dict(tree)
+  for keys in (('target',), ('params',), ('optimizer', 'target')):
+    node, prefix = tree, []
+    for k in keys:
+      node = node.get(k) if isinstance(node, Mapping) else None
+      prefix.append(k)
+    if isinstance(node, Mapping):
+      break
+  else:
+    node, prefix = tree, []
+  flat_meta = _flatten_mapping(node)
+  flat_expected = _expected_flat(expected)
+  if flat_expected is not None:
+    _check_names(flat_expected, flat_meta, path)
+    for name, meta in flat_meta.items():
+      if hasattr(meta, 'shape'):
+        _check_shape(name, meta.shape, flat_expected[name].shape, path)
+  restore_args = jax.tree_util.tree_map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _unflatten(flat_meta))
+  item = _unflatten({name: np.zeros((), np.float32) for name in flat_meta})
+  for k in reversed(prefix):
+    restore_args, item = {k: restore_args}, {k: item}
+  try:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f'Cannot restore Orbax checkpoint at {path}: {e}') from e
+  for k in prefix:
+    restored = restored[k]
+  out = {}
+  for name, arr in _flatten_mapping(restored).items():
+    want = dtype if dtype is not None else (
+        flat_expected[name].dtype if flat_expected is not None else None)
+    out[name] = _cast(np.asarray(arr), want)
+  return _unflatten(out)
+
+
+def _flatten_mapping(tree, prefix: str = '') -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    name = f'{prefix}/{key}' if prefix else str(key)
+    if isinstance(value, Mapping):
+      out.update(_flatten_mapping(value, name))
+    else:
+      out[name] = value
+  return out
+
+
+def load_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
+  """A T5X checkpoint in either format: Orbax if its metadata is there, else legacy msgpack."""
+  path = os.fspath(path)
+  if is_orbax_checkpoint(path) and not _exists(_join(path, 'checkpoint')):
+    return load_orbax_checkpoint(path, expected=expected, dtype=dtype)
+  return load_t5x_checkpoint(path, expected=expected, dtype=dtype)

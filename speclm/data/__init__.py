@@ -1,0 +1,27 @@
+"""Inputs for decoding jobs: datasets (files, seqio tasks) and vocabularies.
+
+`speclm.data.seqio_tasks` (the optional `seqio` extra) is not imported here; import it to
+register the paper's WMT EnDe and CNN/DailyMail tasks.
+"""
+
+from speclm.data.inputs import Batch
+from speclm.data.inputs import DataError
+from speclm.data.inputs import EncodedExample
+from speclm.data.inputs import Example
+from speclm.data.inputs import bucket_width
+from speclm.data.inputs import default_buckets
+from speclm.data.inputs import encode_examples
+from speclm.data.inputs import file_dataset
+from speclm.data.inputs import make_batches
+from speclm.data.inputs import read_examples
+from speclm.data.inputs import synthetic_dataset
+from speclm.data.vocab import ByteVocabulary
+from speclm.data.vocab import FunctionVocabulary
+from speclm.data.vocab import SentencePieceVocabulary
+from speclm.data.vocab import Vocabulary
+
+__all__ = [
+    'Batch', 'ByteVocabulary', 'DataError', 'EncodedExample', 'Example', 'FunctionVocabulary',
+    'SentencePieceVocabulary', 'Vocabulary', 'bucket_width', 'default_buckets',
+    'encode_examples', 'file_dataset', 'make_batches', 'read_examples', 'synthetic_dataset',
+]

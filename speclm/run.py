@@ -1,0 +1,737 @@
+r"""The gin-configured decoding job: `python -m speclm.run --gin_file=FILE …`.
+
+Decodes a dataset with speculative decoding, the plain baseline, or both, and writes an output
+directory (see `speclm.outputs`): predictions.jsonl, metrics.json and the resolved config.gin.
+
+  python -m speclm.run --gin_file=test_tiny.gin --gin.OUTPUT_DIR="'/tmp/tiny'"
+  python -m speclm.run --gin_file=ende_small.gin \
+      --gin.TARGET_CHECKPOINT="'gs://…/checkpoint_1000000'" \
+      --gin.DRAFT_CHECKPOINT="'gs://…/checkpoint_1000000'" --gin.OUTPUT_DIR="'/tmp/ende'"
+
+Flags, as in T5X: `--gin_file` (repeatable; found on the search path), `--gin_bindings`
+(repeatable), `--gin.NAME=VALUE` (rewritten to the binding `NAME = VALUE`; strings need quotes:
+`--gin.OUTPUT_DIR="'/tmp/x'"`), `--gin_search_paths` (comma-separated; the current directory
+and the repository's `configs/` are always searched, after them).
+
+Modes: 'speculative', 'baseline', 'compare' (both on the same batches and seeds; the report
+says whether the outputs are identical, which greedy decoding guarantees).
+
+Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`):
+  model provider       -> `speclm.protocol.Model`  (`random_llama`, `checkpoint_model`,
+                          `t5_checkpoint_model`, or any function you register with gin)
+  vocabulary provider  -> `speclm.data.Vocabulary` (`ByteVocabulary`, `SentencePieceVocabulary`,
+                          `FunctionVocabulary`)
+  dataset provider     -> list of `speclm.data.Example` (`file_dataset`, `synthetic_dataset`,
+                          `seqio_dataset`)
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import gin
+import jax
+import numpy as np
+
+from speclm import decoding
+from speclm import outputs as outputs_lib
+from speclm import progress as progress_lib
+from speclm import protocol
+from speclm import sampling as sampling_lib
+from speclm.data import inputs as inputs_lib
+from speclm.data import seqio_tasks  # pylint: disable=unused-import  (registers seqio_dataset)
+from speclm.data import vocab as vocab_lib
+from speclm.models import llama
+
+MODES = ('speculative', 'baseline', 'compare')
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           'configs')
+
+_GIN_FILE = flags.DEFINE_multi_string(
+    'gin_file', [], 'A gin file to parse (repeatable); looked up on the gin search path.')
+_GIN_BINDINGS = flags.DEFINE_multi_string(
+    'gin_bindings', [], "A gin binding, e.g. run_job.batch_size=4 (repeatable). "
+    '--gin.NAME=VALUE is a shorthand for --gin_bindings="NAME = VALUE".')
+_GIN_SEARCH_PATHS = flags.DEFINE_list(
+    'gin_search_paths', [], 'Directories searched for gin files and their includes, before the'
+    " current directory and the repository's configs/.")
+
+
+class JobError(Exception):
+  """A problem with the job's configuration or inputs, reported as one paragraph (no trace)."""
+
+  def __init__(self, message: str):
+    super().__init__(message)
+    self.message = message
+
+
+# ----------------------------------------------------------------------------------------------
+# Gin: flags, search paths, errors
+
+
+def rewrite_gin_args(args: Sequence[str]) -> list[str]:
+  """Rewrites each `--gin.NAME=VALUE` to `--gin_bindings=NAME = VALUE` (as T5X does)."""
+  rewritten = []
+  for arg in args:
+    if arg.startswith('--gin.'):
+      body = arg[len('--gin.'):]
+      if '=' not in body:
+        raise JobError(f'{arg} has no value. Write --gin.NAME=VALUE, e.g.'
+                       ' --gin.run_job.batch_size=4 or --gin.OUTPUT_DIR="\'/tmp/out\'".')
+      name, value = body.split('=', 1)
+      arg = f'--gin_bindings={name} = {value}'
+    rewritten.append(arg)
+  return rewritten
+
+
+def search_paths(extra: Sequence[str] = ()) -> list[str]:
+  """Gin search path: the given directories, then '.', then the repository's configs/."""
+  paths = [p for p in extra if p] + [os.getcwd(), CONFIGS_DIR]
+  unique = []
+  for path in paths:
+    if path not in unique:
+      unique.append(path)
+  return unique
+
+
+def _configurable_names() -> list[str]:
+  registry = gin.config._REGISTRY  # pylint: disable=protected-access
+  names = set()
+  for selector, _ in registry.items():
+    names.add(selector)
+    names.add(selector.rsplit('.', 1)[-1])
+  return sorted(names)
+
+
+def _explain_gin_error(error: Exception) -> str:
+  text = str(error).strip()
+  first = text.splitlines()[0] if text else type(error).__name__
+  where = ' '.join(line.strip() for line in text.splitlines()[1:3])
+  match = re.search(r"No configurable matching '([^']+)'", text)
+  if match:
+    name = match.group(1).split('/')[-1]
+    close = difflib.get_close_matches(name.rsplit('.', 1)[-1], _configurable_names(), n=3)
+    hint = f' Did you mean {", ".join(close)}?' if close else ''
+    return (f'Unknown gin binding: nothing is registered under the name {name!r} ({where}).'
+            f'{hint} Check the spelling in the gin file or --gin flag.')
+  match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
+  if match:
+    return (f'Unknown gin binding: {match.group(1)} has no parameter {match.group(2)!r}'
+            f' ({where}). Check the spelling in the gin file or --gin flag.')
+  if 'Unable to open file' in text or isinstance(error, (IOError, OSError)):
+    return (f'Gin file not found: {first} Pass the file by path, or add its directory with'
+            ' --gin_search_paths.')
+  return (f'Could not parse the gin configuration: {first} {where} Strings on the command'
+          ' line need quotes inside the flag, e.g. --gin.OUTPUT_DIR="\'/tmp/out\'".')
+
+
+def _is_required(value: Any) -> bool:
+  return isinstance(value, gin.config.ConfigurableReference) and repr(value) == '%gin.REQUIRED'
+
+
+def unset_required() -> list[str]:
+  """Macros and bindings still set to `%gin.REQUIRED` after all files and flags are parsed."""
+  missing = []
+  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+    for param, value in params.items():
+      if _is_required(value):
+        if selector == 'gin.macro':
+          missing.append(scope)
+        else:
+          name = selector.rsplit('.', 1)[-1]
+          missing.append(f'{scope + "/" if scope else ""}{name}.{param}')
+  return sorted(missing)
+
+
+def _required_message(names: Sequence[str]) -> str:
+  examples = ' '.join(f'--gin.{n}=…' for n in names)
+  return (f'Required setting{"s" if len(names) > 1 else ""} not provided: {", ".join(names)}.'
+          f' Set {"them" if len(names) > 1 else "it"} in a gin file (e.g. {names[0]} = …) or on'
+          f' the command line: {examples} (strings in quotes: --gin.{names[0]}="\'value\'").')
+
+
+def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
+              gin_search_paths: Sequence[str] = ()) -> None:
+  """Parses files then bindings (later ones win) and checks no required setting is left unset."""
+  for path in search_paths(gin_search_paths):
+    gin.add_config_file_search_path(path)
+  # Gin logs an error for every search-path entry that lacks a file, even when a later entry
+  # has it; silence that while parsing (a file found nowhere still raises).
+  verbosity = logging.get_verbosity()
+  logging.set_verbosity(logging.FATAL)
+  try:
+    gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings),
+                                        finalize_config=False)
+  except (ValueError, IOError, OSError, SyntaxError, TypeError) as e:
+    raise JobError(_explain_gin_error(e)) from None
+  finally:
+    logging.set_verbosity(verbosity)
+  missing = unset_required()
+  if missing:
+    raise JobError(_required_message(missing))
+  gin.finalize()
+
+
+# ----------------------------------------------------------------------------------------------
+# Gin-configurable pieces: sampling, γ per temperature, model providers
+
+
+@gin.configurable
+def sampling_config(temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0) -> sampling_lib.SamplingConfig:
+  """`speclm.SamplingConfig` from gin (temperature 0 is greedy)."""
+  return sampling_lib.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@gin.configurable
+def gamma_for_temperature(temperature: float = gin.REQUIRED, at_0: int = gin.REQUIRED,
+                          at_1: int = gin.REQUIRED) -> int:
+  """The paper's γ for this temperature (Table 2 lists γ for temperature 0 and 1 only)."""
+  if temperature == 0:
+    return at_0
+  if temperature == 1:
+    return at_1
+  raise JobError(f'The paper gives γ only for temperature 0 and 1, not {temperature}. Set γ'
+                 ' yourself with --gin.GAMMA=5 (any integer >= 1).')
+
+
+@gin.configurable
+def random_llama(vocab_size: int = 259, embed_dim: int = 32, num_layers: int = 2,
+                 num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0,
+                 dtype: str = 'float32') -> protocol.Model:
+  """A Llama with random weights (tests, smoke runs). Models made with the same seed share the
+  weights of the layers they have in common, so a 1-layer draft of a 2-layer target agrees
+  with it more often than an unrelated model."""
+  config = llama.LlamaConfig(
+      vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, head_dim=max(2, embed_dim // num_heads), mlp_dim=2 * embed_dim,
+      param_dtype=dtype, dtype=dtype)
+  definition = llama.Llama(config)
+  # One compiled initializer per definition: eager Flax init dispatches every op one by one,
+  # which costs seconds per model on a busy CPU.
+  return protocol.Model(definition, _jit_init(definition, jax.random.key(seed)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_init(definition, rng):
+  return definition.init_params(rng)
+
+
+def _check_path(path: str, what: str) -> None:
+  if not path or not isinstance(path, str):
+    raise JobError(f'The {what} path is not set (got {path!r}).')
+  if '://' not in path and not os.path.exists(path):
+    raise JobError(f'The {what} path {path} does not exist. Check the path (local paths are'
+                   ' relative to the directory the job starts in) or point the setting at an'
+                   ' existing checkpoint.')
+
+
+@gin.configurable
+def checkpoint_model(path: str = gin.REQUIRED,
+                     loader: Callable[[str], protocol.Model] = gin.REQUIRED) -> protocol.Model:
+  """Model provider for any checkpoint format: checks `path` exists, then `loader(path)`."""
+  _check_path(path, 'checkpoint')
+  return loader(path)
+
+
+@gin.configurable
+def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.REQUIRED,
+                        dtype: str | None = None) -> protocol.Model:
+  """A T5 (`speclm.models.t5`) restored from a T5X or Hugging Face checkpoint.
+
+  `config` is a `T5Config`, e.g. the macro `%T5_1_1_XXL` of configs/models/t5_1_1/xxl.gin;
+  scope the provider per model (`target/t5_checkpoint_model.config = %T5_1_1_XXL`) so the target
+  and the draft can differ. `dtype` (e.g. 'bfloat16') overrides the config's dtypes.
+  """
+  _check_path(checkpoint_path, 'checkpoint')
+  from speclm.models import t5  # pylint: disable=g-import-not-at-top
+  return t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
+
+
+def _provide(provider: Any, what: str, expected: type | None = None):
+  """Calls a provider (or passes a ready object through), turning user errors into JobError."""
+  try:
+    value = provider() if callable(provider) and not (
+        expected is not None and isinstance(provider, expected)) else provider
+  except JobError as e:
+    raise JobError(f'{what}: {e.message}') from None
+  except (FileNotFoundError, inputs_lib.DataError, ImportError) as e:
+    raise JobError(f'{what} failed: {_clean(e)}') from None
+  except ValueError as e:
+    raise JobError(f'{what} failed: {_first_paragraph(e)}') from None
+  if expected is not None and not isinstance(value, expected):
+    raise JobError(f'{what} returned {type(value).__name__}, expected {expected.__name__}.')
+  return value
+
+
+def _clean(error: BaseException) -> str:
+  """The error's message without the lines gin appends ("In call to configurable …")."""
+  lines = [line for line in str(error).splitlines()
+           if not line.strip().startswith(('In call to configurable', 'In scope'))]
+  return '\n'.join(lines).strip()
+
+
+def _first_paragraph(error: Exception) -> str:
+  return _clean(error).split('\n\n')[0].strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# The job
+
+
+def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
+            max_new_tokens, seed, eos_id, pad_id) -> decoding.DecodeResult:
+  common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
+                pad_id=pad_id)
+  if method == 'speculative':
+    result = decoding.speculative_decode(target, draft, batch.tokens, batch.lengths,
+                                         gamma=gamma, **common)
+  else:
+    result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
+  return jax.block_until_ready(result)
+
+
+def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: list[int],
+                vocabulary: vocab_lib.Vocabulary, time_s: float) -> dict[str, Any]:
+  stats = result.stats
+  record = {
+      'output': vocabulary.decode(tokens),
+      'tokens': tokens,
+      'num_tokens': len(tokens),
+      'stop_reason': decoding.StopReason(int(result.stop_reasons[row])).name,
+      'target_calls': int(stats.target_calls_per_row[row]),
+      'time_s': time_s,
+  }
+  if method == 'speculative':
+    record.update(accepted=int(stats.accepted_per_row[row]),
+                  beta_sum=float(stats.beta_sum_per_row[row]),
+                  beta_count=int(stats.beta_count_per_row[row]))
+  return record
+
+
+@gin.configurable(denylist=['progress_stream'])
+def run_job(*,
+            mode: str = 'speculative',
+            target: Any = gin.REQUIRED,
+            draft: Any = None,
+            vocabulary: Any = gin.REQUIRED,
+            dataset: Any = gin.REQUIRED,
+            output_dir: str = gin.REQUIRED,
+            gamma: int = 4,
+            sampling: Any = sampling_lib.GREEDY,
+            max_new_tokens: int = 64,
+            batch_size: int = 8,
+            seed: int = 0,
+            max_input_length: int = 512,
+            length_buckets: Sequence[int] | None = None,
+            on_too_long: str = 'truncate',
+            add_eos_to_inputs: bool = False,
+            max_examples: int | None = None,
+            exclude_compile_time: bool = True,
+            measure_cost: bool = True,
+            reference_metrics: Sequence[str] = ('bleu', 'rouge'),
+            show_progress: bool = True,
+            progress_stream=None) -> dict[str, Any]:
+  """Decodes a dataset and writes predictions and metrics to `output_dir`; returns the metrics.
+
+  Args:
+    mode: 'speculative', 'baseline' or 'compare'.
+    target, draft: model providers (the draft is unused by 'baseline').
+    vocabulary: a vocabulary provider; its end token stops generation.
+    dataset: a dataset provider.
+    output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
+    gamma: tokens drafted per target call (γ).
+    sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
+      0 is greedy.
+    max_new_tokens: generation limit per example.
+    batch_size: rows decoded together; short batches are padded to it.
+    seed: base seed; each batch uses seed + its first example's index, in both methods.
+    max_input_length, length_buckets, on_too_long, add_eos_to_inputs: input encoding (see
+      `speclm.data.inputs.encode_examples`); buckets default to powers of two up to the limit.
+    max_examples: decode only the first N examples.
+    exclude_compile_time: run each new batch shape once untimed first, so wall times (and the
+      speedup) measure decoding, not XLA compilation.
+    measure_cost: time one draft step against one target step to report c (and r, the cost of
+      verifying γ+1 tokens relative to one) for Theorem 3.8's prediction.
+    reference_metrics: 'bleu' (sacrebleu) and/or 'rouge' (rouge-score), computed when the
+      examples have references and the package is installed.
+    show_progress: print a progress bar with rate and ETA.
+  """
+  job_start = time.perf_counter()
+  if mode not in MODES:
+    raise JobError(f"run_job.mode must be one of {MODES}, got {mode!r}.")
+  methods = {'speculative': ('speculative',), 'baseline': ('baseline',),
+             'compare': ('baseline', 'speculative')}[mode]
+  if mode != 'baseline' and draft is None:
+    raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
+                   " @draft/random_llama), or use mode 'baseline'.")
+  if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+    raise JobError(f'γ (run_job.gamma) must be an integer >= 1, got {gamma!r}.')
+  sampling = _provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
+  buckets = tuple(sorted(length_buckets)) if length_buckets else inputs_lib.default_buckets(
+      max_input_length)
+  if buckets[-1] < max_input_length:
+    raise JobError(f'The largest length bucket ({buckets[-1]}) is below max_input_length'
+                   f' ({max_input_length}); add a bucket of at least that width.')
+
+  # 1. Everything cheap first: output directory, vocabulary, dataset.
+  try:
+    out = outputs_lib.OutputDir(output_dir)
+  except outputs_lib.OutputError as e:
+    raise JobError(str(e)) from None
+  try:
+    outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
+    vocabulary = _provide(vocabulary, 'Loading the vocabulary', vocab_lib.Vocabulary)
+    examples = list(_provide(dataset, 'Reading the dataset'))
+    if max_examples is not None:
+      examples = examples[:max_examples]
+    if not examples:
+      raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
+                     ' format and filters (file_dataset.path, seqio_dataset.split,'
+                     ' run_job.max_examples).')
+    job_info = {'mode': mode, 'dataset': inputs_lib.fingerprint(examples),
+                'num_examples': len(examples)}
+    try:
+      done = out.resume(job_info)
+      encoded = inputs_lib.encode_examples(
+          examples, vocabulary, max_input_length=max_input_length, on_too_long=on_too_long,
+          add_eos=add_eos_to_inputs)
+    except (outputs_lib.OutputError, inputs_lib.DataError) as e:
+      raise JobError(str(e)) from None
+
+    # 2. Models.
+    target_model = _provide(target, 'Loading the target model', protocol.Model)
+    draft_model = (_provide(draft, 'Loading the draft model', protocol.Model)
+                   if 'speculative' in methods else None)
+    if vocabulary.vocab_size > target_model.vocab_size:
+      raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
+                     f' only {target_model.vocab_size}; they do not belong together.')
+    if draft_model is not None and draft_model.vocab_size != target_model.vocab_size:
+      raise JobError(f'The draft and target vocabularies differ ({draft_model.vocab_size} vs'
+                     f' {target_model.vocab_size} tokens); speculative decoding needs one'
+                     ' shared vocabulary.')
+
+    # 3. Examples skipped by the length rule are recorded once, like decoded ones.
+    skipped = [e for e in encoded if e.skipped and e.example.index not in done]
+    if skipped:
+      out.append([_base_record(e) for e in skipped])
+    pending = [e for e in encoded if not e.skipped and e.example.index not in done]
+    batches = inputs_lib.make_batches(pending, batch_size=batch_size, buckets=buckets,
+                                      pad_id=vocabulary.pad_id)
+    num_done = len(examples) - len(pending)
+    if done:
+      print(f'Resuming {output_dir}: {len(done)} of {len(examples)} examples already recorded.',
+            file=progress_stream or sys.stderr)
+    bar = progress_lib.Progress(len(examples), initial=num_done, stream=progress_stream,
+                                enabled=show_progress,
+                                label='compare' if mode == 'compare' else methods[0])
+    warmed: set[tuple[str, tuple[int, ...]]] = set()
+    compile_s = 0.0
+    for batch in batches:
+      seed_b = seed + batch.examples[0].example.index
+      results, times = {}, {}
+      for method in methods:
+        decode = lambda m=method: _decode(  # pylint: disable=cell-var-from-loop
+            m, target_model, draft_model, batch, gamma=gamma, sampling=sampling,
+            max_new_tokens=max_new_tokens, seed=seed_b, eos_id=vocabulary.eos_id,
+            pad_id=vocabulary.pad_id)
+        key = (method, batch.tokens.shape)
+        if exclude_compile_time and key not in warmed:
+          start = time.perf_counter()
+          decode()
+          compile_s += time.perf_counter() - start
+          warmed.add(key)
+        start = time.perf_counter()
+        results[method] = decode()
+        times[method] = time.perf_counter() - start
+      records = []
+      token_lists = {m: results[m].to_lists() for m in methods}
+      for row, item in enumerate(batch.examples):
+        record = _base_record(item)
+        for method in methods:
+          record[method] = _row_record(method, results[method], row, token_lists[method][row],
+                                       vocabulary, times[method] / batch.num_real)
+        if mode == 'compare':
+          record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
+        record['output'] = record[methods[-1]]['output']
+        records.append(record)
+      out.append(records)
+      bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
+    bar.close()
+
+    # 4. The report covers every recorded example, this run's and earlier runs'.
+    all_records = outputs_lib.read_predictions(out.predictions_path)
+    cost = None
+    if measure_cost and draft_model is not None:
+      cost = _measure_cost(target_model, draft_model, gamma=gamma, batch_size=batch_size,
+                           context_length=min(buckets[0], max_input_length))
+    metrics = compute_metrics(all_records, mode=mode, gamma=gamma, sampling=sampling,
+                              cost=cost, reference_metrics=reference_metrics)
+    metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
+                      'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
+                      'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
+                      'decoded_this_run': len(pending), 'resumed_from': len(done),
+                      'output_dir': output_dir}
+    outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
+  finally:
+    out.close()
+  print(summary(metrics))
+  return metrics
+
+
+def _base_record(item: inputs_lib.EncodedExample) -> dict[str, Any]:
+  example = item.example
+  record = {'index': example.index, 'id': example.id, 'input': example.input,
+            'input_tokens': item.length, 'truncated': item.truncated}
+  if example.reference is not None:
+    record['reference'] = example.reference
+  if item.skipped:
+    record['skipped'] = item.skipped
+  return record
+
+
+def _measure_cost(target, draft, *, gamma, batch_size, context_length) -> dict[str, Any] | None:
+  try:
+    from speclm.analysis import measure  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  estimate = measure.measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
+                                   context_length=context_length, num_steps=4, repeats=3)
+  return estimate.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _theory():
+  try:
+    from speclm.analysis import theory  # pylint: disable=g-import-not-at-top
+    return theory
+  except ImportError:
+    return None
+
+
+def _predicted_speedup(alpha: float, gamma: int, c: float, r: float = 1.0) -> float | None:
+  """Theorem 3.8, (1 − α^(γ+1)) / ((1 − α)(γc + r)) (r = 1 is the paper's form)."""
+  if alpha is None or c is None or math.isnan(alpha):
+    return None
+  theory = _theory()
+  if theory is not None:
+    return float(theory.walltime_improvement(alpha, gamma, c, r))
+  tokens = gamma + 1.0 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+  return tokens / (gamma * c + r)
+
+
+def _reference_scores(hypotheses: list[str], references: list[str],
+                      wanted: Sequence[str]) -> tuple[dict[str, float], list[str]]:
+  scores, notes = {}, []
+  if 'bleu' in wanted:
+    try:
+      import sacrebleu  # pylint: disable=g-import-not-at-top
+      scores['bleu'] = float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    except ImportError:
+      notes.append('BLEU skipped: pip install sacrebleu.')
+  if 'rouge' in wanted:
+    try:
+      from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+      from rouge_score import scoring  # pylint: disable=g-import-not-at-top
+      kinds = ['rouge1', 'rouge2', 'rougeLsum']
+      scorer = rouge_scorer.RougeScorer(kinds)
+      aggregator = scoring.BootstrapAggregator()
+      for ref, hyp in zip(references, hypotheses):
+        # rougeLsum treats newlines as sentence boundaries, as T5's evaluation does.
+        aggregator.add_scores(scorer.score(ref, hyp))
+      result = aggregator.aggregate()
+      for kind in kinds:
+        scores[kind] = float(result[kind].mid.fmeasure * 100)
+    except ImportError:
+      notes.append('ROUGE skipped: pip install rouge-score.')
+  return scores, notes
+
+
+def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
+                    sampling: sampling_lib.SamplingConfig, cost: dict[str, Any] | None = None,
+                    reference_metrics: Sequence[str] = ('bleu', 'rouge')) -> dict[str, Any]:
+  """The metrics.json report from prediction records (all of the job's examples)."""
+  methods = {'speculative': ('speculative',), 'baseline': ('baseline',),
+             'compare': ('baseline', 'speculative')}[mode]
+  decoded = [r for r in records if 'skipped' not in r]
+  notes: list[str] = []
+  metrics: dict[str, Any] = {
+      'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+      'sampling': {'temperature': sampling.temperature, 'top_k': sampling.top_k,
+                   'top_p': sampling.top_p},
+      'num_examples': len(records), 'num_decoded': len(decoded),
+      'num_skipped': len(records) - len(decoded),
+      'num_truncated': sum(1 for r in records if r.get('truncated')),
+  }
+  with_refs = [r for r in decoded if r.get('reference') is not None]
+  for method in methods:
+    rows = [r[method] for r in decoded]
+    time_s = sum(r['time_s'] for r in rows)
+    tokens = sum(r['num_tokens'] for r in rows)
+    calls = sum(r['target_calls'] for r in rows)
+    entry = {
+        'decode_time_s': time_s, 'tokens': tokens,
+        'tokens_per_s': tokens / time_s if time_s > 0 else None,
+        'examples_per_s': len(rows) / time_s if time_s > 0 else None,
+        'mean_output_tokens': tokens / len(rows) if rows else None,
+        'target_calls': calls,
+        'tokens_per_target_call': tokens / calls if calls else None,
+        'stop_reasons': _count(r['stop_reason'] for r in rows),
+    }
+    if method == 'speculative':
+      beta_count = sum(r['beta_count'] for r in rows)
+      entry['alpha'] = sum(r['beta_sum'] for r in rows) / beta_count if beta_count else None
+      entry['accepted_tokens'] = sum(r['accepted'] for r in rows)
+    if with_refs and reference_metrics:
+      scores, score_notes = _reference_scores([r[method]['output'] for r in with_refs],
+                                              [r['reference'] for r in with_refs],
+                                              reference_metrics)
+      entry.update(scores)
+      notes += [n for n in score_notes if n not in notes]
+    metrics[method] = entry
+
+  if 'speculative' in methods:
+    spec = metrics['speculative']
+    alpha = spec['alpha']
+    metrics['alpha'] = alpha
+    metrics['tokens_per_target_call'] = spec['tokens_per_target_call']
+    theory = _theory()
+    metrics['expected_tokens_per_iteration'] = (
+        None if alpha is None else
+        float(theory.expected_tokens_per_iteration(alpha, gamma)) if theory else
+        (gamma + 1.0 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)))
+    if cost is not None:
+      metrics['c'] = cost['c']
+      metrics['r'] = cost['r']
+      metrics['cost_measurement'] = cost
+      metrics['predicted_speedup_theorem_3_8'] = _predicted_speedup(alpha, gamma, cost['c'])
+      metrics['predicted_speedup_with_r'] = _predicted_speedup(alpha, gamma, cost['c'],
+                                                                cost['r'])
+    else:
+      metrics['c'] = None
+      metrics['predicted_speedup_theorem_3_8'] = None
+      notes.append('c was not measured (run_job.measure_cost = False), so there is no Theorem'
+                   ' 3.8 prediction; (1 − α^(γ+1)) / ((1 − α)(γc + 1)) gives it for any c.')
+  if mode == 'compare':
+    base, spec = metrics['baseline'], metrics['speculative']
+    metrics['speedup'] = (base['decode_time_s'] / spec['decode_time_s']
+                          if spec['decode_time_s'] > 0 else None)
+    metrics['identical_output_rate'] = (
+        sum(1 for r in decoded if r['identical']) / len(decoded) if decoded else None)
+    if not sampling.is_greedy:
+      notes.append('At temperature > 0 both methods sample the same distribution but not the'
+                   ' same random draws, so identical outputs are not expected.')
+  metrics['wall_time_s'] = {m: metrics[m]['decode_time_s'] for m in methods}
+  metrics['notes'] = notes
+  return metrics
+
+
+def _count(values) -> dict[str, int]:
+  counts: dict[str, int] = {}
+  for value in values:
+    counts[value] = counts.get(value, 0) + 1
+  return counts
+
+
+def _fmt(value, spec: str = '.3f') -> str:
+  if value is None:
+    return 'n/a'
+  if isinstance(value, float):
+    return format(value, spec)
+  return str(value)
+
+
+def summary(metrics: dict[str, Any]) -> str:
+  """The short table printed at the end of a job."""
+  rows = [('mode', metrics['mode']),
+          ('examples', f"{metrics['num_decoded']} decoded, {metrics['num_skipped']} skipped,"
+                       f" {metrics['num_truncated']} truncated")]
+  for method in ('baseline', 'speculative'):
+    if method in metrics:
+      entry = metrics[method]
+      rows.append((f'{method} time', f"{_fmt(entry['decode_time_s'])} s,"
+                                     f" {_fmt(entry['tokens_per_s'], '.1f')} tokens/s"))
+      for key in ('bleu', 'rouge1', 'rouge2', 'rougeLsum'):
+        if key in entry:
+          rows.append((f'{method} {key}', _fmt(entry[key], '.2f')))
+  if 'alpha' in metrics:
+    rows += [('alpha (measured)', _fmt(metrics['alpha'])),
+             ('tokens / target call', _fmt(metrics['tokens_per_target_call'])),
+             ('c (measured)', _fmt(metrics.get('c'))),
+             ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f'))]
+  if 'speedup' in metrics:
+    rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
+             ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]
+  if 'job' in metrics:
+    rows.append(('output dir', metrics['job']['output_dir']))
+  return progress_lib.table(rows, title='speclm run summary')
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _required_call_error(error: Exception) -> str | None:
+  match = re.search(r"Required bindings for `([^`]+)` not provided in config: \[([^\]]*)\]",
+                    str(error))
+  if not match:
+    return None
+  configurable = match.group(1).rsplit('.', 1)[-1]
+  names = [f'{configurable}.{p.strip().strip(chr(39))}' for p in match.group(2).split(',')]
+  return _required_message(names)
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # gin's file lookups log at INFO
+  try:
+    if not _GIN_FILE.value:
+      raise JobError('No gin file given. Run e.g. python -m speclm.run'
+                     ' --gin_file=test_tiny.gin --gin.OUTPUT_DIR="\'/tmp/out\'".')
+    parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
+    run_job()  # pylint: disable=missing-kwoa
+  except JobError as e:
+    _fail(e.message)
+  except RuntimeError as e:
+    message = _required_call_error(e)
+    if message is None:
+      raise
+    _fail(message)
+
+
+def _fail(message: str) -> None:
+  print(f'speclm.run: error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]):
+  try:
+    argv = rewrite_gin_args(argv)
+  except JobError as e:
+    _fail(e.message)
+  return app.parse_flags_with_usage(argv)
+
+
+def run_main() -> None:
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == '__main__':
+  run_main()

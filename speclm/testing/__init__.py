@@ -1,0 +1,70 @@
+"""Helpers for tests: exact sequence distributions and goodness-of-fit checks.
+
+With a vocabulary of a handful of tokens and a few new tokens, the probability a model's
+standardized sampling assigns to *every* continuation can be enumerated from teacher-forced
+logits. Speculative samples must then fit that distribution (paper, Appendix A.1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import numpy as np
+import scipy.stats
+
+from speclm import sampling as sampling_lib
+
+
+def exact_continuation_distribution(
+    teacher_forced_logits: Callable[[np.ndarray], np.ndarray],
+    vocab_size: int,
+    num_tokens: int,
+    sampling: sampling_lib.SamplingConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Probability of each of the V^n continuations under standardized sampling.
+
+  Args:
+    teacher_forced_logits: maps continuations `[N, n]` to the logits `[N, n, V]` that predict
+      each continuation token (position i predicts token i from the prompt and tokens < i).
+    vocab_size: V.
+    num_tokens: n.
+    sampling: the standardization applied at every position.
+
+  Returns:
+    (continuations `[V^n, n]`, probabilities `[V^n]` summing to 1).
+  """
+  continuations = np.array(list(itertools.product(range(vocab_size), repeat=num_tokens)),
+                           dtype=np.int32)
+  logits = teacher_forced_logits(continuations)
+  probs = np.asarray(sampling_lib.standardize(logits, sampling), dtype=np.float64)
+  token_probs = np.take_along_axis(probs, continuations[..., None], axis=-1)[..., 0]
+  sequence_probs = np.prod(token_probs, axis=-1)
+  return continuations, sequence_probs / sequence_probs.sum()
+
+
+def sequence_ids(sequences: np.ndarray, vocab_size: int) -> np.ndarray:
+  """Index of each sequence `[N, n]` in the lexicographic order of `exact_…_distribution`."""
+  weights = vocab_size ** np.arange(sequences.shape[1] - 1, -1, -1)
+  return sequences.astype(np.int64) @ weights
+
+
+def chi_square_pvalue(sample_ids: np.ndarray, probs: np.ndarray,
+                      min_expected: float = 5.0) -> float:
+  """Pearson chi-square goodness-of-fit p-value of samples against exact cell probabilities.
+
+  Cells with expected count below `min_expected` are pooled into one cell, as usual, so the
+  chi-square approximation holds. A sample in a cell of probability 0 gives p-value 0.
+  """
+  n = len(sample_ids)
+  probs = np.asarray(probs, np.float64) / np.sum(probs)
+  observed = np.bincount(sample_ids, minlength=len(probs)).astype(np.float64)
+  if np.any(observed[probs == 0] > 0):
+    return 0.0
+  expected = probs * n
+  small = expected < min_expected
+  obs = np.append(observed[~small], observed[small].sum())
+  exp = np.append(expected[~small], expected[small].sum())
+  keep = exp > 0
+  exp = exp * (obs[keep].sum() / exp[keep].sum())  # remove float rounding in the totals
+  return float(scipy.stats.chisquare(obs[keep], exp[keep]).pvalue)

