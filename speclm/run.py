@@ -17,10 +17,12 @@ Modes: 'speculative', 'baseline', 'compare' (both on the same batches and seeds;
 says whether the outputs are identical, which greedy decoding guarantees).
 
 Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`):
-  model provider       -> `speclm.protocol.Model`  (`random_llama`, `checkpoint_model`,
-                          `t5_checkpoint_model`, or any function you register with gin)
+  model provider       -> `speclm.protocol.Model`  (`random_llama`, `t5_checkpoint_model`,
+                          `smollm2_model`, `ngram_draft`, `prompt_lookup_draft`,
+                          `checkpoint_model`, or any function you register with gin)
   vocabulary provider  -> `speclm.data.Vocabulary` (`ByteVocabulary`, `SentencePieceVocabulary`,
-                          `FunctionVocabulary`)
+                          `FunctionVocabulary`), or any tokenizer with encode/decode/vocab_size
+                          (`smollm2_tokenizer`)
   dataset provider     -> list of `speclm.data.Example` (`file_dataset`, `synthetic_dataset`,
                           `seqio_dataset`)
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging as std_logging
 import math
 import os
 import re
@@ -41,7 +44,6 @@ from absl import flags
 from absl import logging
 import gin
 import jax
-import numpy as np
 
 from speclm import decoding
 from speclm import outputs as outputs_lib
@@ -167,15 +169,14 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
     gin.add_config_file_search_path(path)
   # Gin logs an error for every search-path entry that lacks a file, even when a later entry
   # has it; silence that while parsing (a file found nowhere still raises).
-  verbosity = logging.get_verbosity()
-  logging.set_verbosity(logging.FATAL)
+  std_logging.disable(std_logging.ERROR)
   try:
     gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings),
                                         finalize_config=False)
   except (ValueError, IOError, OSError, SyntaxError, TypeError) as e:
     raise JobError(_explain_gin_error(e)) from None
   finally:
-    logging.set_verbosity(verbosity)
+    std_logging.disable(std_logging.NOTSET)
   missing = unset_required()
   if missing:
     raise JobError(_required_message(missing))
@@ -258,6 +259,48 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
   return t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
 
 
+@gin.configurable
+def smollm2_model(dtype: str = 'float32') -> protocol.Model:
+  """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.models.smollm2`)."""
+  from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
+  return smollm2.load_model(dtype)
+
+
+@gin.configurable
+def smollm2_tokenizer():
+  """SmolLM2's tokenizer (a `speclm.tokenizer.Tokenizer`; used as the job's vocabulary)."""
+  from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
+  return smollm2.load_tokenizer()
+
+
+@gin.configurable
+def ngram_draft(path: str = gin.REQUIRED) -> protocol.Model:
+  """A unigram or bigram draft saved by `speclm.models.ngram.save`."""
+  _check_path(path, 'n-gram draft')
+  from speclm.models import ngram  # pylint: disable=g-import-not-at-top
+  return ngram.load(path)
+
+
+@gin.configurable
+def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
+                        min_ngram: int = 1) -> protocol.Model:
+  """The prompt-lookup (copy) draft of `speclm.models.lookup`."""
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
+  return lookup.prompt_lookup(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+def as_vocabulary(obj: Any) -> vocab_lib.Vocabulary:
+  """A `Vocabulary`, or any tokenizer with encode, decode, vocab_size and eos_id, adapted."""
+  if isinstance(obj, vocab_lib.Vocabulary):
+    return obj
+  if not all(hasattr(obj, name) for name in ('encode', 'decode', 'vocab_size')):
+    raise JobError(f'The vocabulary provider returned {type(obj).__name__}, which has no'
+                   ' encode/decode/vocab_size; wrap it in FunctionVocabulary.')
+  return vocab_lib.FunctionVocabulary(obj.encode, obj.decode, obj.vocab_size,
+                                      eos_id=getattr(obj, 'eos_id', None),
+                                      pad_id=getattr(obj, 'pad_id', None) or 0)
+
+
 def _provide(provider: Any, what: str, expected: type | None = None):
   """Calls a provider (or passes a ready object through), turning user errors into JobError."""
   try:
@@ -298,7 +341,39 @@ def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampl
                                          gamma=gamma, **common)
   else:
     result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
-  return jax.block_until_ready(result)
+  return jax.device_get(jax.block_until_ready(result))
+
+
+def _decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
+                  vocabulary: vocab_lib.Vocabulary, warmed: set, *, exclude_compile_time: bool,
+                  **decode_kwargs) -> tuple[list[dict[str, Any]], float]:
+  """Decodes one batch with each method (same seed); returns its records and compile time."""
+  results, times, compile_s = {}, {}, 0.0
+  for method in methods:
+    decode = functools.partial(_decode, method, target, draft, batch,
+                               eos_id=vocabulary.eos_id, pad_id=vocabulary.pad_id,
+                               **decode_kwargs)
+    key = (method, batch.tokens.shape)
+    if exclude_compile_time and key not in warmed:  # compile (and warm up) untimed
+      start = time.perf_counter()
+      decode()
+      compile_s += time.perf_counter() - start
+      warmed.add(key)
+    start = time.perf_counter()
+    results[method] = decode()
+    times[method] = time.perf_counter() - start
+  token_lists = {m: results[m].to_lists() for m in methods}
+  records = []
+  for row, item in enumerate(batch.examples):  # padding rows (past num_real) are dropped
+    record = _base_record(item)
+    for method in methods:
+      record[method] = _row_record(method, results[method], row, token_lists[method][row],
+                                   vocabulary, times[method] / batch.num_real)
+    if 'baseline' in methods and 'speculative' in methods:
+      record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
+    record['output'] = record[methods[-1]]['output']
+    records.append(record)
+  return records, compile_s
 
 
 def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: list[int],
@@ -393,7 +468,7 @@ def run_job(*,
     raise JobError(str(e)) from None
   try:
     outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
-    vocabulary = _provide(vocabulary, 'Loading the vocabulary', vocab_lib.Vocabulary)
+    vocabulary = as_vocabulary(_provide(vocabulary, 'Loading the vocabulary'))
     examples = list(_provide(dataset, 'Reading the dataset'))
     if max_examples is not None:
       examples = examples[:max_examples]
@@ -440,33 +515,11 @@ def run_job(*,
     warmed: set[tuple[str, tuple[int, ...]]] = set()
     compile_s = 0.0
     for batch in batches:
-      seed_b = seed + batch.examples[0].example.index
-      results, times = {}, {}
-      for method in methods:
-        decode = lambda m=method: _decode(  # pylint: disable=cell-var-from-loop
-            m, target_model, draft_model, batch, gamma=gamma, sampling=sampling,
-            max_new_tokens=max_new_tokens, seed=seed_b, eos_id=vocabulary.eos_id,
-            pad_id=vocabulary.pad_id)
-        key = (method, batch.tokens.shape)
-        if exclude_compile_time and key not in warmed:
-          start = time.perf_counter()
-          decode()
-          compile_s += time.perf_counter() - start
-          warmed.add(key)
-        start = time.perf_counter()
-        results[method] = decode()
-        times[method] = time.perf_counter() - start
-      records = []
-      token_lists = {m: results[m].to_lists() for m in methods}
-      for row, item in enumerate(batch.examples):
-        record = _base_record(item)
-        for method in methods:
-          record[method] = _row_record(method, results[method], row, token_lists[method][row],
-                                       vocabulary, times[method] / batch.num_real)
-        if mode == 'compare':
-          record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
-        record['output'] = record[methods[-1]]['output']
-        records.append(record)
+      records, batch_compile_s = _decode_batch(
+          batch, methods, target_model, draft_model, vocabulary, warmed,
+          exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
+          max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index)
+      compile_s += batch_compile_s
       out.append(records)
       bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
     bar.close()

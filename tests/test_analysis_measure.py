@@ -4,6 +4,7 @@ the loop's own α against Corollary 3.6 on a real (tiny) model pair.
 Fake models first (a bigram "model" whose α is computable in closed form), real ones second.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -12,7 +13,6 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import struct
-import dataclasses
 
 import speclm
 from speclm import protocol
@@ -204,12 +204,13 @@ def test_iid_acceptances_reproduce_eq1(alpha, gamma):
 
 
 def test_greedy_round_replay_by_hand():
-  # Token 0 comes from prefill. γ = 3. β (1 = the draft's argmax agrees):
-  #   positions 1 2 3 | 4 | 5 6 7 | 8 9
-  #   β         1 1 1 | 0 | 1 0 . | ...
-  # Round 1 drafts 1–3: n = 3, counts 1–3 (the bonus token lands on 4). Round 2 drafts 5–7
-  # from C = 5: wait — C advances by n + 1 = 4, so round 2 starts at 5: n = 1 (β_5 = 1, β_6 = 0),
-  # counts 5, 6; C = 7. Round 3 drafts 7–9: β_7 = 0 -> n = 0, counts 7; C = 8 >= 8 stops.
+  # Token 0 comes from prefill (β[0] is never used). γ = 3, 8 new tokens.
+  #   position  1 2 3 | 4     | 5 6 | 7
+  #   β         1 1 1 | 0     | 1 0 | 0
+  # Round 1 drafts positions 1–3 and keeps all (n = 3); it counts β_1..β_3 and the target's
+  # extra token fills position 4 undrafted. Round 2 starts at 5: n = 1 (β_5 = 1, β_6 = 0); it
+  # counts β_5, β_6 and the correction fills 6. Round 3 starts at 7: n = 0, counts β_7, and
+  # the correction fills 7, the 8th token: done.
   beta = np.array([9, 1, 1, 1, 0, 1, 0, 0, 1, 1], float)  # position 0 is never used
   replay = measure.greedy_round_replay(beta, num_new_tokens=8, gamma=3)
   assert replay.beta_count == 3 + 2 + 1

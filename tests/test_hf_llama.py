@@ -119,3 +119,40 @@ def test_errors(tmp_path):
                              'num_hidden_layers': 1, 'num_attention_heads': 2,
                              'rope_scaling': {'rope_type': 'yarn', 'factor': 2.0}})
   assert os.path.exists(tmp_path / 'pytorch_model.bin')
+
+
+def _save_tiny_tokenizer(directory):
+  """A tiny byte-level BPE trained on a few sentences, saved as a HF tokenizer directory."""
+  tokenizers = pytest.importorskip('tokenizers')
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(models.BPE())
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=['<s>', '</s>', '<pad>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  backend.train_from_iterator(['the cat sat on the mat', 'speculative decoding is exact',
+                               'a draft proposes and the target verifies'] * 5, trainer)
+  backend.save(str(directory / 'tokenizer.json'))
+  template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}"
+              "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}{{ bos_token }}"
+              "assistant:{% endif %}")
+  (directory / 'tokenizer_config.json').write_text(json.dumps({
+      'bos_token': '<s>', 'eos_token': '</s>', 'pad_token': '<pad>',
+      'chat_template': template}))
+
+
+def test_tokenizer_from_directory(tmp_path):
+  _save_tiny_tokenizer(tmp_path)
+  tok = hf_llama.load_tokenizer(tmp_path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+  for text in ['the cat sat on the mat', 'Unseen words, 123 and ünïcode!']:
+    assert tok.decode(tok.encode(text)) == text
+  messages = [{'role': 'user', 'content': 'hello there'}]
+  rendered = tok.render_chat(messages)
+  assert rendered == '<s>user: hello there</s>\n<s>assistant:'
+  reference = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+  assert rendered == reference.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True)
+  assert tok.encode_chat(messages) == reference.encode(rendered, add_special_tokens=False)
+  tokens, lengths = tok.batch(['the cat', 'a draft proposes and the target verifies'])
+  assert tokens.shape == (2, int(lengths.max())) and np.all(tokens[0, lengths[0]:] == 2)

@@ -8,6 +8,7 @@ costs on a 2-core CPU: loading ~10-20 s, each decode-loop compilation ~20-40 s.
 import importlib.util
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,7 +70,7 @@ def test_config_read_from_metadata(smol):
       mlp_dim=1536, rope_theta=100_000.0, norm_eps=model.definition.config.norm_eps,
       tie_embeddings=True)
   assert abs(model.definition.config.norm_eps - 1e-5) < 1e-10
-  num_params = sum(np.size(x) for x in __import__('jax').tree_util.tree_leaves(model.params))
+  num_params = sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params))
   assert 134_000_000 < num_params < 135_000_000
 
 
@@ -101,7 +102,14 @@ def test_chat_template_renders_a_user_message(smol):
 
 
 def test_logits_and_tokens_match_hugging_face(smol, batch):
-  """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits."""
+  """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits.
+
+  On this 30-layer model, float32 rounding alone moves logits (of size 20-40) by ~1e-4: HF's
+  float32 logits differ from a float64 evaluation by 0.5-0.9e-4, ours by 1.2-1.6e-4, the
+  largest at the first position, whose activations are huge (XLA's CPU matmuls accumulate
+  differently from PyTorch's). So the bounds are 2e-4 against HF float32 and 2.5e-4 against
+  HF float64, and 3e-5 on the mean (measured 1.4e-5). The small random config in `test_hf_llama.py` meets 1e-4.
+  """
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   model, tok = smol
@@ -112,13 +120,24 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
     assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, gguf_file=name, dtype=torch.float32).eval()
+  forward = jax.jit(model.definition.forward)
+
+  def hf_logits(tokens):
+    with torch.no_grad():
+      return hf_model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+  plain, _ = tok.batch(['The capital of France is Paris, and the capital of Italy is',
+                        'def square(x):\n    return x * x\n\nprint(square('], pad_id=0)
   tokens, lengths = batch
-  width = int(lengths.min())  # compare the unpadded part of both rows
-  with torch.no_grad():
-    theirs = hf_model(torch.tensor(tokens[:, :width], dtype=torch.long)).logits.numpy()
-  ours = np.asarray(__import__('jax').jit(model.definition.forward)(model.params,
-                                                                    tokens[:, :width]))
-  assert np.max(np.abs(ours - theirs)) < 1e-4
+  inputs = [plain[:, :12], tokens[:, :int(lengths.min())]]  # unpadded parts of both rows
+  ours = [np.asarray(forward(model.params, x)) for x in inputs]
+  theirs = [hf_logits(x) for x in inputs]
+  for a, b in zip(ours, theirs):
+    assert np.max(np.abs(a - b)) < 2e-4
+    assert np.mean(np.abs(a - b)) < 3e-5
+  hf_model.double()
+  for a, x in zip(ours, inputs):
+    assert np.max(np.abs(a - hf_logits(x))) < 2.5e-4
 
 
 def test_baseline_gives_text(smol, baseline):

@@ -1,6 +1,7 @@
 """T5 v1.0 / v1.1 (speclm.models.t5): parameter tree, cache, protocol, decoding, gin sizes."""
 
 import dataclasses
+import functools
 import itertools
 from pathlib import Path
 
@@ -63,6 +64,18 @@ def test_v1_0_tree_has_relu_mlp_and_no_logits_dense():
   assert 'encoder/layers_0/mlp/wi/kernel' in flat
   assert not any('wi_0' in name for name in flat)
   assert 'decoder/logits_dense/kernel' not in flat
+
+
+def test_logical_axes_cover_every_parameter():
+  definition = t5.T5(t5.tiny_config())
+  axes = t5.flatten_names(definition.logical_axes())
+  shapes = t5.flatten_names(definition.param_shapes())
+  assert set(axes) == set(shapes)
+  for name, shape in shapes.items():
+    assert len(axes[name]) == len(shape.shape), name
+  assert axes['encoder/layers_0/attention/out/kernel'] == ('joined_kv', 'embed')
+  assert axes['decoder/layers_1/mlp/wi_1/kernel'] == ('embed', 'mlp')
+  assert axes['token_embedder/embedding'] == ('vocab', 'embed')
 
 
 def _gin_config(path: Path) -> t5.T5Config:
@@ -200,18 +213,24 @@ def small():
   return t5.random_model(vocab_size=48, emb_dim=16, seed=3)
 
 
+# Jitted protocol calls shared by the tests below, so equal shapes compile once per process.
+_prefill = jax.jit(lambda d, *args: d.prefill(*args), static_argnums=0)
+_extend = jax.jit(lambda d, *args: d.extend(*args), static_argnums=0)
+
+DECODER_TOKENS = np.array([[0, 3, 4, 5, 6, 7, 8, 9],
+                           [0, 10, 11, 12, 13, 14, 15, 16],
+                           [0, 17, 18, 19, 20, 21, 22, 23]], np.int32)
+
+
 @pytest.mark.parametrize('version, use_jit', [('1.0', True), ('1.1', True), ('1.1', False)])
 def test_cached_k_token_extends_equal_teacher_forced_forward(small, version, use_jit):
   model = small if version == '1.1' else t5.random_model(vocab_size=48, emb_dim=16, seed=3,
                                                          version=version)
   d, params = model.definition, model.params
   prompts, lengths = _inputs()
-  decoder_tokens = np.array([[0, 3, 4, 5, 6, 7, 8, 9],
-                             [0, 10, 11, 12, 13, 14, 15, 16],
-                             [0, 17, 18, 19, 20, 21, 22, 23]], np.int32)
-  full = d.forward(params, prompts, lengths, decoder_tokens)
-  prefill = jax.jit(d.prefill) if use_jit else d.prefill
-  extend = jax.jit(d.extend) if use_jit else d.extend
+  full = d.forward(params, prompts, lengths, DECODER_TOKENS)
+  prefill = functools.partial(_prefill, d) if use_jit else d.prefill
+  extend = functools.partial(_extend, d) if use_jit else d.extend
   cache = d.init_cache(3, 12)
   first, cache = prefill(params, prompts, lengths, cache)
   assert cache.lengths.tolist() == [1, 1, 1] and cache.capacity == 12
@@ -219,8 +238,8 @@ def test_cached_k_token_extends_equal_teacher_forced_forward(small, version, use
   assert d.last_prefix_token(prompts, lengths).tolist() == [0, 0, 0]
   np.testing.assert_allclose(first, full[:, 0], atol=1e-5)
   pieces, start = [], 1
-  for k in (3, 1, 3):
-    logits, cache = extend(params, decoder_tokens[:, start:start + k], cache)
+  for k in ((3, 1, 3) if use_jit else (3, 4)):  # eager mode is slow: fewer calls
+    logits, cache = extend(params, DECODER_TOKENS[:, start:start + k], cache)
     pieces.append(logits)
     start += k
   np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full[:, 1:], atol=1e-5)
@@ -229,46 +248,45 @@ def test_cached_k_token_extends_equal_teacher_forced_forward(small, version, use
 
 def test_per_row_positions_and_rollback(small):
   """Rows at different lengths extend independently; rolled-back entries are never read."""
-  model = small
-  d, params = model.definition, model.params
+  d, params = small.definition, small.params
   prompts, lengths = _inputs()
-  decoder_tokens = np.array([[0, 3, 4, 5, 6], [0, 7, 8, 9, 10], [0, 11, 12, 13, 14]], np.int32)
-  full = d.forward(params, prompts, lengths, decoder_tokens)
-  extend = jax.jit(d.extend)
-  cache = d.init_cache(3, 10)
-  _, cache = jax.jit(d.prefill)(params, prompts, lengths, cache)
-  # Two true tokens, then garbage drafts; roll every row back to a different length.
-  _, cache = extend(params, decoder_tokens[:, 1:3], cache)
-  _, cache = extend(params, np.full((3, 4), 30, np.int32), cache)
-  keep = np.array([1, 2, 3], np.int32)
+  full = d.forward(params, prompts, lengths, DECODER_TOKENS)
+  cache = d.init_cache(3, 12)
+  _, cache = _prefill(d, params, prompts, lengths, cache)
+  # Three true tokens, then garbage drafts; roll every row back to a different length.
+  _, cache = _extend(d, params, DECODER_TOKENS[:, 1:4], cache)
+  _, cache = _extend(d, params, np.full((3, 3), 30, np.int32), cache)
+  keep = np.array([1, 2, 4], np.int32)
   cache = d.rollback(cache, jnp.asarray(keep))
-  # Re-feed each row's true tokens from its own position: one K=2 call at per-row offsets.
-  tokens = np.stack([decoder_tokens[b, keep[b]:keep[b] + 2] for b in range(3)])
-  logits, cache = extend(params, tokens, cache)
+  # Re-feed each row's true tokens from its own position: one K=3 call at per-row offsets.
+  tokens = np.stack([DECODER_TOKENS[b, keep[b]:keep[b] + 3] for b in range(3)])
+  logits, cache = _extend(d, params, tokens, cache)
   for b in range(3):
-    np.testing.assert_allclose(logits[b], full[b, keep[b]:keep[b] + 2], atol=1e-5)
-  assert cache.lengths.tolist() == (keep + 2).tolist()
+    np.testing.assert_allclose(logits[b], full[b, keep[b]:keep[b] + 3], atol=1e-5)
+  assert cache.lengths.tolist() == (keep + 3).tolist()
 
 
 def test_encoder_ignores_padding(small):
-  model = small
-  d, params = model.definition, model.params
+  d, params = small.definition, small.params
   prompts, lengths = _inputs()
   other = np.where(np.arange(7)[None] < lengths[:, None], prompts, 33).astype(np.int32)
   wider = np.concatenate([prompts, np.full((3, 4), 21, np.int32)], axis=1)
-  dec = np.array([[0, 3, 4]] * 3, np.int32)
-  ref = d.forward(params, prompts, lengths, dec)
-  np.testing.assert_allclose(d.forward(params, other, lengths, dec), ref, atol=1e-5)
-  np.testing.assert_allclose(d.forward(params, wider, lengths, dec), ref, atol=1e-5)
+  ref = d.forward(params, prompts, lengths, DECODER_TOKENS)
+  np.testing.assert_allclose(d.forward(params, other, lengths, DECODER_TOKENS), ref, atol=1e-5)
+  np.testing.assert_allclose(d.forward(params, wider, lengths, DECODER_TOKENS), ref, atol=1e-5)
 
 
-def test_bfloat16_params_and_activations_run():
-  model = t5.random_model(vocab_size=48, emb_dim=16, seed=6, dtype='bfloat16')
-  leaves = jax.tree_util.tree_leaves(model.params)
-  assert all(x.dtype == jnp.bfloat16 for x in leaves)
+def test_bfloat16_params_and_activations(small):
+  config = dataclasses.replace(small.definition.config, dtype='bfloat16', param_dtype='bfloat16')
+  definition = t5.T5(config)
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), small.params)
+  definition.validate_params(params)
   prompts, lengths = _inputs()
-  logits = model.definition.forward(model.params, prompts, lengths, np.zeros((3, 2), np.int32))
+  logits = definition.forward(params, prompts, lengths, DECODER_TOKENS)
   assert logits.dtype == jnp.float32 and np.all(np.isfinite(logits))
+  assert definition.init_cache(3, 4).keys.dtype == jnp.bfloat16
+  reference = small.definition.forward(small.params, prompts, lengths, DECODER_TOKENS)
+  assert np.max(np.abs(logits - reference)) < 0.1 * np.max(np.abs(reference))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser(
       'cost', help='c and r from timed, compiled model calls',
       description='Compiles a draft decode step (extend with 1 token), a target decode step and'
-      ' a target verification (extend with γ+1 tokens) with jax.jit, runs each --num_steps'
-      ' times inside one compiled loop after a warm-up, and reports medians over --repeats:'
+      ' a target verification (extend with γ+1 tokens) with jax.jit, runs each at least'
+      ' --num_steps times (and for at least --min_sample_ms) inside one compiled loop after a'
+      ' warm-up, timing the three in turn, and reports medians over --repeats:'
       ' c = T_draft(1)/T_target(1) and r = T_target(γ+1)/T_target(1), plus the optimal γ'
       ' they imply for a given --alpha.')
   _add_models(p)
@@ -138,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--batch_size', type=int, default=1, help='rows per call (default 1)')
   p.add_argument('--context_length', type=int, default=64,
                  help='positions already in the cache (default 64)')
-  p.add_argument('--num_steps', type=int, default=20, help='calls per timed sample')
+  p.add_argument('--num_steps', type=int, default=20,
+                 help='minimum calls per timed sample (default 20)')
+  p.add_argument('--min_sample_ms', type=float, default=50.0,
+                 help='raise the calls per sample until one sample lasts this long (default 50)')
   p.add_argument('--repeats', type=int, default=5, help='timed samples; the median is kept')
   p.add_argument('--alpha', type=float, help='if given, also print predictions for this α')
   p.add_argument('--json', help='write the timings as JSON to this file')
@@ -244,9 +248,11 @@ def _cost(args) -> int:
   target, draft = report.model_from_spec(args.target), report.model_from_spec(args.draft)
   costs = measure.measure_costs(target, draft, gamma=args.gamma, batch_size=args.batch_size,
                                 context_length=args.context_length, num_steps=args.num_steps,
-                                repeats=args.repeats)
+                                repeats=args.repeats,
+                                min_sample_seconds=args.min_sample_ms / 1e3)
   print(f'batch {costs.batch_size}, context {costs.context_length} positions,'
-        f' median of {args.repeats} × {args.num_steps} calls')
+        f' median of {args.repeats} timed samples, each ≥ {args.num_steps} calls and'
+        f' ≥ {args.min_sample_ms:g} ms')
   print(f'  draft step (1 token):        {costs.draft_step_seconds * 1e3:9.3f} ms')
   print(f'  target step (1 token):       {costs.target_step_seconds * 1e3:9.3f} ms')
   print(f'  target verify ({args.gamma + 1} tokens):   {costs.target_verify_seconds * 1e3:9.3f} ms')
@@ -271,10 +277,11 @@ def _report(args) -> int:
   table = report.report_markdown([result.row])
   print(table)
   speed, costs = result.speed, result.costs
+  same = (f' (outputs identical: {speed.outputs_match})' if _sampling(args).is_greedy else
+          ' (sampled: each decode draws its own text)')
   print(f'autoregressive {speed.autoregressive_seconds:.3f} s, speculative'
-        f' {speed.speculative_seconds:.3f} s for {speed.num_tokens} tokens'
-        f' (outputs identical: {speed.outputs_match}); accepted per round n = 0..γ:'
-        f' {speed.accepted_histogram.tolist()}')
+        f' {speed.speculative_seconds:.3f} s for {speed.num_tokens} tokens{same};'
+        f' rounds accepting n = 0..γ drafts: {speed.accepted_histogram.tolist()}')
   print(f'draft step {costs.draft_step_seconds * 1e3:.3f} ms, target step'
         f' {costs.target_step_seconds * 1e3:.3f} ms, target verify'
         f' {costs.target_verify_seconds * 1e3:.3f} ms;'

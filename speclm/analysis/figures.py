@@ -71,6 +71,9 @@ def optimal_gamma_figure(path: str, costs: Sequence[float] = (0.01, 0.02, 0.05, 
     gammas = np.array([b.gamma if b.beneficial else np.nan for b in best], dtype=np.float64)
     axes.step(alphas, gammas, where='mid', label=f'c = {c:g}')
   axes.set_yscale('log')
+  ticks = [t for t in (1, 2, 3, 5, 10, 20, 50, 100) if t <= max_gamma]
+  axes.set_yticks(ticks, [str(t) for t in ticks])
+  axes.minorticks_off()
   axes.set_xlabel('α (expected acceptance rate)')
   axes.set_ylabel('optimal γ')
   axes.set_title('Optimal γ (Theorem 3.8' + (')' if r == 1 else f', r = {r:g})'))

@@ -11,8 +11,10 @@ text, i.e. how far the i.i.d. assumption behind Eq. (1) holds.
 
 c and r. `measure_costs` compiles three calls with `jax.jit` — a draft decode step (extend with
 K = 1), a target decode step (K = 1) and a target verification (K = γ+1) — runs each many times
-inside one compiled loop (as the decode loops do, so Python dispatch is not counted), and
-reports medians over repeats after a warm-up call:
+inside one compiled loop (as the decode loops do, so Python dispatch is not counted; the count
+is raised until a sample lasts ≥ 50 ms, as shorter ones are mostly scheduler noise), and
+reports medians over repeats after a warm-up call, timing the three in turn within each
+repeat so that a busy machine slows them alike:
   c = T_draft(1) / T_target(1)   (Definition 3.7),   r = T_target(γ+1) / T_target(1).
 
 Shape letters: R reference rows, B batch, P prompt length, T generated tokens, V vocabulary.
@@ -405,9 +407,12 @@ class CostEstimate:
     return {**dataclasses.asdict(self), 'c': self.c, 'r': self.r}
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=('num_steps',))
-def _repeated_extend(definition, params, tokens, cache, *, num_steps):
-  """Runs `extend` num_steps times from the same cache length (the decode loops' inner call)."""
+@functools.partial(jax.jit, static_argnums=(0,))
+def _repeated_extend(definition, params, tokens, cache, num_steps):
+  """Runs `extend` num_steps times from the same cache length (the decode loops' inner call).
+
+  `num_steps` is traced, so calibrating it does not recompile.
+  """
   start_lengths = definition.cache_lengths(cache)
 
   def body(_, carry):
@@ -421,49 +426,98 @@ def _repeated_extend(definition, params, tokens, cache, *, num_steps):
   return checksum
 
 
-def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
-                context_length: int = 64, num_steps: int = 20, repeats: int = 5,
-                seed: int = 0) -> float:
-  """Median seconds of one `extend` call on `num_new` tokens after `context_length` positions.
+@dataclasses.dataclass(frozen=True)
+class _Runner:
+  """A compiled, warmed-up call of `extend`, repeated `num_steps` times per run."""
 
-  The cache is prefilled with random tokens; the call is compiled and warmed up once, then
-  timed `repeats` times, each running it `num_steps` times inside one compiled loop.
-  """
-  if min(num_new, batch_size, context_length, num_steps, repeats) < 1:
-    raise ValueError('num_new, batch_size, context_length, num_steps and repeats must all be'
-                     ' >= 1.')
+  run: Any
+  num_steps: int
+
+
+def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
+                   context_length: int, num_steps: int, min_sample_seconds: float,
+                   seed: int) -> _Runner:
+  """Compiles and warms up `extend` on `num_new` tokens, then raises num_steps until one run
+  lasts at least `min_sample_seconds` (short samples are mostly scheduler noise)."""
+  if min(num_new, batch_size, context_length, num_steps) < 1:
+    raise ValueError('num_new, batch_size, context_length and num_steps must all be >= 1.')
   definition = model.definition
   prompts, lengths = random_prompts(model.vocab_size, batch_size, context_length, seed)
   prefix = int(definition.prefix_length(context_length))
   cache = definition.init_cache(batch_size, prefix + num_new)
   _, cache = jax.jit(definition.prefill)(model.params, jnp.asarray(prompts),
                                           jnp.asarray(lengths), cache)
-  tokens = jnp.asarray(prompts[:, -num_new:] if num_new <= context_length else
-                       np.resize(prompts, (batch_size, num_new)))
-  run = functools.partial(_repeated_extend, definition, model.params, tokens, cache,
-                          num_steps=num_steps)
-  run().block_until_ready()  # compile and warm up
-  samples = []
-  for _ in range(repeats):
+  tokens = jnp.asarray(np.resize(prompts[:, ::-1], (batch_size, num_new)))
+  run = lambda steps: _repeated_extend(definition, model.params, tokens, cache,
+                                       jnp.int32(steps))
+  run(num_steps).block_until_ready()  # compile and warm up
+  for _ in range(8):
     start = time.perf_counter()
-    run().block_until_ready()
-    samples.append((time.perf_counter() - start) / num_steps)
-  return float(np.median(samples))
+    run(num_steps).block_until_ready()
+    elapsed = time.perf_counter() - start
+    if elapsed >= min_sample_seconds:
+      break
+    num_steps = int(math.ceil(num_steps * min(16.0, 1.2 * min_sample_seconds /
+                                              max(elapsed, 1e-6))))
+  return _Runner(run=functools.partial(run, num_steps), num_steps=num_steps)
+
+
+def _interleaved_medians(runners, repeats: int, divisors=None) -> list[float]:
+  """Median seconds of each callable (divided by its divisor), timed in turn within each repeat.
+
+  Interleaving spreads slow periods of a shared machine over all of them alike, so their
+  ratios stay meaningful even when absolute times drift.
+  """
+  divisors = divisors or [1] * len(runners)
+  samples = [[] for _ in runners]
+  for _ in range(repeats):
+    for runner, divisor, bucket in zip(runners, divisors, samples):
+      start = time.perf_counter()
+      jax.block_until_ready(runner())
+      bucket.append((time.perf_counter() - start) / divisor)
+  return [float(np.median(bucket)) for bucket in samples]
+
+
+def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
+                context_length: int = 64, num_steps: int = 20, repeats: int = 5,
+                min_sample_seconds: float = 0.05, seed: int = 0) -> float:
+  """Median seconds of one `extend` call on `num_new` tokens after `context_length` positions.
+
+  The cache is prefilled with random tokens; the call is compiled and warmed up, then timed
+  `repeats` times, each sample running it at least `num_steps` times (more if needed to last
+  `min_sample_seconds`) inside one compiled loop.
+  """
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}.')
+  runner = _extend_runner(model, num_new=num_new, batch_size=batch_size,
+                          context_length=context_length, num_steps=num_steps,
+                          min_sample_seconds=min_sample_seconds, seed=seed)
+  return _interleaved_medians([runner.run], repeats, [runner.num_steps])[0]
 
 
 def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,
                   batch_size: int = 1, context_length: int = 64, num_steps: int = 20,
-                  repeats: int = 5, seed: int = 0) -> CostEstimate:
-  """c and r for these models, this batch size and context length, on the default device."""
+                  repeats: int = 5, min_sample_seconds: float = 0.05,
+                  seed: int = 0) -> CostEstimate:
+  """c and r for these models, this batch size and context length, on the default device.
+
+  The three calls are timed in turn within each repeat (see `_interleaved_medians`); each
+  sample repeats a call at least `num_steps` times and lasts at least `min_sample_seconds`.
+  """
   if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
     raise ValueError(f'gamma must be an integer >= 1, got {gamma!r}.')
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}.')
   kwargs = dict(batch_size=batch_size, context_length=context_length, num_steps=num_steps,
-                repeats=repeats, seed=seed)
-  return CostEstimate(
-      draft_step_seconds=time_extend(draft, num_new=1, **kwargs),
-      target_step_seconds=time_extend(target, num_new=1, **kwargs),
-      target_verify_seconds=time_extend(target, num_new=gamma + 1, **kwargs),
-      gamma=int(gamma), batch_size=batch_size, context_length=context_length)
+                min_sample_seconds=min_sample_seconds, seed=seed)
+  runners = [_extend_runner(draft, num_new=1, **kwargs),
+             _extend_runner(target, num_new=1, **kwargs),
+             _extend_runner(target, num_new=gamma + 1, **kwargs)]
+  draft_step, target_step, target_verify = _interleaved_medians(
+      [r.run for r in runners], repeats, [r.num_steps for r in runners])
+  return CostEstimate(draft_step_seconds=draft_step, target_step_seconds=target_step,
+                      target_verify_seconds=target_verify, gamma=int(gamma),
+                      batch_size=batch_size, context_length=context_length)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,26 +556,20 @@ class SpeedupMeasurement:
     return out
 
 
-def _timed(fn, repeats: int):
-  result = jax.block_until_ready(fn())  # compile and warm up
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    samples.append(time.perf_counter() - start)
-  return float(np.median(samples)), result
-
-
 def measure_speedup(target: protocol.Model, draft: protocol.Model, prompts, prompt_lengths, *,
                     gamma: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
                     seed: int = 0, repeats: int = 3) -> SpeedupMeasurement:
-  """Times `autoregressive_decode` and `speculative_decode` on the same batch of prompts."""
+  """Times `autoregressive_decode` and `speculative_decode` on the same batch of prompts.
+
+  Both are compiled and run once first; then each repeat times one call of each, in turn.
+  """
   kwargs = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed)
-  ar_seconds, baseline = _timed(
-      lambda: decoding.autoregressive_decode(target, prompts, prompt_lengths, **kwargs), repeats)
-  spec_seconds, spec = _timed(
-      lambda: decoding.speculative_decode(target, draft, prompts, prompt_lengths, gamma=gamma,
-                                          **kwargs), repeats)
+  run_baseline = lambda: decoding.autoregressive_decode(target, prompts, prompt_lengths, **kwargs)
+  run_speculative = lambda: decoding.speculative_decode(target, draft, prompts, prompt_lengths,
+                                                        gamma=gamma, **kwargs)
+  baseline = jax.block_until_ready(run_baseline())  # compile and warm up
+  spec = jax.block_until_ready(run_speculative())
+  ar_seconds, spec_seconds = _interleaved_medians([run_baseline, run_speculative], repeats)
   return SpeedupMeasurement(
       autoregressive_seconds=ar_seconds, speculative_seconds=spec_seconds,
       num_tokens=int(np.sum(np.asarray(spec.lengths))), alpha=alpha_from_stats(spec.stats),

@@ -168,7 +168,9 @@ class OptimalGamma:
 def optimal_gamma(alpha: float, c: float, r: float = 1.0, max_gamma: int = 64) -> OptimalGamma:
   """§3.5: γ* = argmax_{γ = 1 … max_gamma} of the (generalised) walltime improvement.
 
-  A search over the whole integer range is exact for any r and costs nothing. As α → 1 with c → 0 the optimum grows without
+  A search over the whole integer range is exact for any r and costs nothing. `r` is held
+  fixed across γ; since a real verification cost grows with γ, measure r near the γ you pick
+  (`speclm.analysis.measure.measure_costs`) and re-check. As α → 1 with c → 0 the optimum grows without
   bound; `at_limit` then says the search range was the binding constraint.
   """
   if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:

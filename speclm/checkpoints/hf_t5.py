@@ -2,25 +2,31 @@
 
 Reads `T5ForConditionalGeneration` checkpoints (t5-small … t5-11b, google/t5-v1_1-*,
 google/flan-t5-*, …). v1.0 vs v1.1 is read from the config: `feed_forward_proj` ('relu' or
-'gated-gelu') and `tie_word_embeddings`. Torch `.bin` files are pickles and are refused.
+'gated-gelu') and the output layer (see the end of this docstring). Torch `.bin` files
+are pickles and are refused.
 
 Name mapping (HF `nn.Linear` weights are `[out, in]`; T5X kernels `[in, out]`, so every
 kernel is transposed; the relative attention table is `[buckets, heads]` in HF, `[heads,
 buckets]` in T5X):
-  shared.weight                                        token_embedder/embedding
-  {enc}.block.0.layer.0.SelfAttention.relative_attention_bias.weight
-                                                       encoder/relpos_bias/rel_embedding (ᵀ)
-  encoder.block.{i}.layer.0.layer_norm.weight          encoder/layers_i/pre_attention_layer_norm/scale
-  encoder.block.{i}.layer.0.SelfAttention.{q,k,v,o}    encoder/layers_i/attention/{query,key,value,out}
-  encoder.block.{i}.layer.1.layer_norm.weight          encoder/layers_i/pre_mlp_layer_norm/scale
-  encoder.block.{i}.layer.1.DenseReluDense.{wi,wi_0,wi_1,wo}  encoder/layers_i/mlp/…
-  encoder.final_layer_norm.weight                      encoder/encoder_norm/scale
-  decoder.block.{i}.layer.0 (SelfAttention)            decoder/layers_i/{pre_self_attention_layer_norm, self_attention}
-  decoder.block.{i}.layer.1 (EncDecAttention)          decoder/layers_i/{pre_cross_attention_layer_norm, encoder_decoder_attention}
-  decoder.block.{i}.layer.2 (DenseReluDense)           decoder/layers_i/{pre_mlp_layer_norm, mlp}
-  decoder.final_layer_norm.weight                      decoder/decoder_norm/scale
-  lm_head.weight                                       decoder/logits_dense/kernel (ᵀ; v1.1 only;
-                                                       shared.weight when lm_head is not saved)
+  shared.weight                             token_embedder/embedding
+  {coder}.block.0.layer.0.SelfAttention.relative_attention_bias.weight
+                                            {coder}/relpos_bias/rel_embedding (transposed)
+  encoder.block.{i}.layer.0.layer_norm      encoder/layers_i/pre_attention_layer_norm/scale
+  encoder.block.{i}.layer.0.SelfAttention.{q,k,v,o}
+                                            encoder/layers_i/attention/{query,key,value,out}
+  encoder.block.{i}.layer.1.layer_norm      encoder/layers_i/pre_mlp_layer_norm/scale
+  encoder.block.{i}.layer.1.DenseReluDense.{wi | wi_0, wi_1; wo}
+                                            encoder/layers_i/mlp/{…}/kernel
+  encoder.final_layer_norm                  encoder/encoder_norm/scale
+  decoder.block.{i}.layer.0 (SelfAttention) decoder/layers_i/pre_self_attention_layer_norm,
+                                            decoder/layers_i/self_attention
+  decoder.block.{i}.layer.1 (EncDecAttention)
+                                            decoder/layers_i/pre_cross_attention_layer_norm,
+                                            decoder/layers_i/encoder_decoder_attention
+  decoder.block.{i}.layer.2 (DenseReluDense) decoder/layers_i/pre_mlp_layer_norm, …/mlp
+  decoder.final_layer_norm                  decoder/decoder_norm/scale
+  lm_head.weight                            decoder/logits_dense/kernel (transposed; v1.1
+                                            only; shared.weight when lm_head is not saved)
 
 v1.0 vs v1.1: transformers < 5 wrote `tie_word_embeddings: false` for v1.1; transformers ≥ 5
 always writes `tie_word_embeddings: true` and marks v1.0 by `scale_decoder_outputs: true`.
@@ -107,7 +113,10 @@ def _open_tensors(directory: str) -> dict[str, tuple[safetensors_io.SafetensorsF
     raise CheckpointError(f'No *.safetensors files in {directory}.{hint}')
   out = {}
   for name in files:
-    shard = safetensors_io.SafetensorsFile(os.path.join(directory, name))
+    try:
+      shard = safetensors_io.SafetensorsFile(os.path.join(directory, name))
+    except safetensors_io.SafetensorsError as e:
+      raise CheckpointError(str(e)) from e
     for key in shard:
       out[key] = (shard, key)
   return out
@@ -168,8 +177,18 @@ def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
   if not os.path.isdir(directory):
     raise CheckpointError(f'Hugging Face model directory not found: {directory}')
   hf_config = read_hf_config(directory)
+  from_file = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
   if config is None:
-    config = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+    config = from_file
+  else:
+    fields = ('mlp_activations', 'logits_via_embedding', 'num_encoder_layers',
+              'num_decoder_layers', 'relative_attention_num_buckets',
+              'relative_attention_max_distance')
+    differ = [f'{f}: checkpoint {getattr(from_file, f)!r}, config {getattr(config, f)!r}'
+              for f in fields if getattr(from_file, f) != getattr(config, f)]
+    if differ:
+      raise CheckpointError(f'{directory} (T5 {from_file.version}) does not match the model'
+                            f' config (T5 {config.version}): {"; ".join(differ)}.')
   tensors = _open_tensors(directory)
   expected = t5.flatten_names(t5.T5(config).param_shapes())
   target_dtype = np.dtype(param_dtype or config.param_dtype)

@@ -23,6 +23,7 @@ Public functions:
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import os
 import posixpath
@@ -42,6 +43,7 @@ _EXT_SCALAR = 3
 # Arrays at least this large go to zarr when writing (T5X keeps only tiny ones inline).
 DEFAULT_ZARR_MIN_BYTES = 1 << 16
 _CHUNK_TARGET_BYTES = 64 << 20
+_READ_THREADS = 8
 
 
 class CheckpointError(ValueError):
@@ -67,10 +69,20 @@ def _join(base: str, *parts: str) -> str:
   return posixpath.join(base, *parts) if _is_gcs(base) else os.path.join(base, *parts)
 
 
+def _kvstore_spec(path: str) -> dict:
+  """TensorStore kvstore spec of a local or gs:// path (the one place drivers are chosen)."""
+  if _is_gcs(path):
+    bucket, prefix = _split_gcs(path)
+    return {'driver': 'gcs', 'bucket': bucket, 'path': prefix}
+  return {'driver': 'file', 'path': path}
+
+
 def _gcs_kvstore(path: str):
+  """(KvStore of the directory holding `path`, key of `path` in it)."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  bucket, prefix = _split_gcs(path)
-  return ts.KvStore.open({'driver': 'gcs', 'bucket': bucket, 'path': ''}).result(), prefix
+  parent, key = posixpath.split(path.rstrip('/'))
+  spec = _kvstore_spec(parent + '/')
+  return ts.KvStore.open(spec).result(), key
 
 
 def _read_bytes(path: str) -> bytes:
@@ -291,11 +303,14 @@ def _read_zarr_numpy(array_dir: str, metadata: dict, dtype: np.dtype, name: str)
 
 def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
   rel = _relative_path(spec)
+  if rel.startswith('gs://'):
+    base_dir, rel = posixpath.split(rel.rstrip('/'))
+  elif os.path.isabs(rel):
+    base_dir, rel = os.path.split(rel.rstrip('/'))
   dtype = _zarr_dtype(spec.get('dtype') or spec['metadata']['dtype'])
   if _is_gcs(base_dir):
-    bucket, prefix = _split_gcs(base_dir)
-    kvstore = {'driver': 'gcs', 'bucket': bucket, 'path': posixpath.join(prefix, rel)}
     where = posixpath.join(base_dir, rel)
+    kvstore = _kvstore_spec(where)
   else:
     array_dir = os.path.join(base_dir, rel)
     where = array_dir
@@ -310,7 +325,7 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
         raise CheckpointError(f'Missing zarr chunk of {name}: {os.path.join(array_dir, key)}')
     if not os.path.isfile(os.path.join(array_dir, '.zarray')):
       return _read_zarr_numpy(array_dir, metadata, dtype, name)
-    kvstore = {'driver': 'file', 'path': array_dir}
+    kvstore = _kvstore_spec(array_dir)
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   try:
     store = ts.open({'driver': 'zarr', 'kvstore': kvstore}, open=True, read=True).result()
@@ -346,10 +361,7 @@ def _check_names(flat_expected: Mapping[str, Any], flat_actual: Mapping[str, Any
 
 
 def _expected_flat(expected) -> dict[str, Any] | None:
-  if expected is None:
-    return None
-  from speclm.models.t5 import flatten_names  # pylint: disable=g-import-not-at-top
-  return flatten_names(jax.tree_util.tree_map(lambda x: x, expected))
+  return None if expected is None else _flatten_mapping(expected)
 
 
 def _check_shape(name: str, got, want, source: str) -> None:
@@ -390,6 +402,11 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       if got is not None:
         _check_shape(name, got, flat_expected[name].shape, msgpack_path)
 
+  # zarr arrays are read concurrently (I/O bound, and GCS has high latency per request).
+  with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+    pending = {name: pool.submit(_read_zarr, leaf, base_dir, name, msgpack_path)
+               for name, leaf in flat.items() if _is_ts_spec(leaf)}
+    zarr_arrays = {name: future.result() for name, future in pending.items()}
   out = {}
   for name, leaf in flat.items():
     if isinstance(leaf, _Inline):
@@ -397,7 +414,7 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       if leaf.code == _EXT_SCALAR:
         arr = arr.reshape(())
     elif _is_ts_spec(leaf):
-      arr = _read_zarr(leaf, base_dir, name, msgpack_path)
+      arr = zarr_arrays.pop(name)
     elif _is_chunked(leaf):
       pieces = [leaf['chunks'][str(i)] for i in range(len(leaf['chunks']))]
       pieces = [_decode_inline(p, name, msgpack_path) if isinstance(p, _Inline) else p
@@ -441,7 +458,7 @@ def read_t5x_state(path: str | os.PathLike) -> dict:
 
 
 def _encode_inline(arr: np.ndarray, code: int = _EXT_ARRAY) -> msgpack.ExtType:
-  arr = np.ascontiguousarray(arr)
+  arr = np.asarray(arr)  # (np.ascontiguousarray would turn a scalar into shape (1,))
   payload = msgpack.packb((list(arr.shape), arr.dtype.name, arr.tobytes('C')), use_bin_type=True)
   return msgpack.ExtType(code, payload)
 
@@ -460,13 +477,8 @@ def _write_zarr(arr: np.ndarray, directory: str, rel: str) -> dict:
   dtype_name = 'bfloat16' if arr.dtype == ml_dtypes.bfloat16 else arr.dtype.name
   metadata = {'chunks': _zarr_chunks(arr.shape, arr.dtype.itemsize),
               'compressor': {'id': 'gzip', 'level': 1}, 'shape': list(arr.shape)}
-  if _is_gcs(directory):
-    bucket, prefix = _split_gcs(directory)
-    kvstore = {'driver': 'gcs', 'bucket': bucket, 'path': posixpath.join(prefix, rel)}
-    stored_driver = 'gcs'
-  else:
-    kvstore = {'driver': 'file', 'path': os.path.join(directory, rel)}
-    stored_driver = 'file'
+  kvstore = _kvstore_spec(_join(directory, rel))
+  stored_driver = 'gcs' if _is_gcs(directory) else 'file'
   store = ts.open({'driver': 'zarr', 'dtype': dtype_name, 'kvstore': kvstore,
                    'metadata': metadata}, create=True, delete_existing=True).result()
   store.write(arr).result()
@@ -488,8 +500,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   directory = os.fspath(directory)
   if not _is_gcs(directory):
     os.makedirs(directory, exist_ok=True)
-  from speclm.models.t5 import flatten_names  # pylint: disable=g-import-not-at-top
-  flat = flatten_names(params)
+  flat = _flatten_mapping(params)
   target = {}
   for name, value in flat.items():
     arr = np.asarray(jax.device_get(value))

@@ -117,13 +117,17 @@ def _text(value) -> str:
 
 @gin.configurable
 def seqio_dataset(task_name: str = gin.REQUIRED, split: str = 'validation',
-                  max_examples: int | None = None) -> list[inputs_lib.Example]:
+                  max_examples: int | None = None,
+                  tfds_data_dir: str | None = None) -> list[inputs_lib.Example]:
   """Dataset provider: a split of a registered seqio task as `Example`s (text, in order).
 
   The paper's two tasks are registered on first use. Inputs keep the task's prefix; references
-  are the task's target text.
+  are the task's target text. `tfds_data_dir` (local or gs://) is where prepared TFDS data
+  lives, when not in TFDS's default directory.
   """
   seqio = _import_seqio()
+  if tfds_data_dir:
+    seqio.set_tfds_data_dir_override(tfds_data_dir)
   register_paper_tasks()
   try:
     task = seqio.get_mixture_or_task(task_name)

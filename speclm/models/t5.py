@@ -540,6 +540,36 @@ class T5(protocol.LanguageModel):
   def validate_params(self, params) -> None:
     check_tree_shapes(self.param_shapes(), params)
 
+  def logical_axes(self) -> dict:
+    """T5X's logical axis names of every parameter: a nested dict like the params whose leaves
+    are tuples, e.g. ('embed', 'joined_kv') for an attention query kernel. Map them to mesh
+    axes with rules such as T5X's (`vocab`, `joined_kv`, `mlp`, `heads` -> 'model')."""
+    def axes(name: str) -> tuple[str, ...]:
+      if name.endswith('token_embedder/embedding'):
+        return ('vocab', 'embed')
+      if name.endswith('logits_dense/kernel'):
+        return ('embed', 'vocab')
+      if name.endswith('rel_embedding'):
+        return ('heads', 'relpos_buckets')
+      if name.endswith('/scale'):
+        return ('embed',)
+      if name.endswith('out/kernel'):
+        return ('joined_kv', 'embed')
+      if name.endswith(('query/kernel', 'key/kernel', 'value/kernel')):
+        return ('embed', 'joined_kv')
+      if name.endswith('wo/kernel'):
+        return ('mlp', 'embed')
+      return ('embed', 'mlp')  # mlp/wi, mlp/wi_0, mlp/wi_1
+
+    tree: dict = {}
+    for name in flatten_names(self.param_shapes()):
+      node = tree
+      *parents, leaf = name.split('/')
+      for part in parents:
+        node = node.setdefault(part, {})
+      node[leaf] = axes(name)
+    return tree
+
   def num_params(self) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.param_shapes()))
 
@@ -609,7 +639,7 @@ def t5_model(config: T5Config = gin.REQUIRED, checkpoint_path: str | None = None
   if checkpoint_path is None:
     return protocol.Model(definition, definition.init_params(jax.random.key(0)))
   from speclm.checkpoints import load_t5_params  # pylint: disable=g-import-not-at-top
-  params = load_t5_params(checkpoint_path, definition)
+  params = jax.device_put(load_t5_params(checkpoint_path, definition))
   return protocol.Model(definition, params)
 
 

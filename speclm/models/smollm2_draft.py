@@ -1,0 +1,108 @@
+"""The trained draft shipped for SmolLM2-135M-Instruct (the embedded default's M_q).
+
+A small Llama (a few layers of SmolLM2's width) whose head covers only the S most frequent
+tokens of SmolLM2's replies (q̃ = 0 elsewhere, see `subset_vocab`). It reuses the target's
+token embeddings for those S tokens, read from the target at load time, so the shipped file
+holds only what was trained: the transformer layers, the final norm, the embedding of the
+"other" input id, and the subset's token ids. `scripts/train_smollm2_draft.py` makes it;
+`speclm/assets/smollm2_draft/MODEL_CARD.md` describes the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speclm import protocol
+from speclm.models import llama
+from speclm.models import subset_vocab
+
+DRAFT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'assets', 'smollm2_draft')
+WEIGHTS_FILE = 'draft.safetensors'
+
+
+def draft_config(target_config: llama.LlamaConfig, num_layers: int, subset_size: int,
+                 dtype: str = 'float32') -> llama.LlamaConfig:
+  """The draft's inner Llama: the target's width and heads, fewer layers, S+1 ids, tied head."""
+  return llama.LlamaConfig(
+      vocab_size=subset_size + 1, num_layers=num_layers, embed_dim=target_config.embed_dim,
+      num_heads=target_config.num_heads, num_kv_heads=target_config.num_kv_heads,
+      head_dim=target_config.head_dim, mlp_dim=target_config.mlp_dim,
+      rope_theta=target_config.rope_theta, rope_scaling=target_config.rope_scaling,
+      norm_eps=target_config.norm_eps, tie_embeddings=True, param_dtype=dtype, dtype=dtype)
+
+
+def subset_embedding(target: protocol.Model, subset_ids, other_embedding) -> jax.Array:
+  """`[S+1, D]`: the target's embedding rows for the subset, then the "other" row."""
+  table = target.params['embedder']['embedding']
+  rows = jnp.take(table, jnp.asarray(subset_ids), axis=0)
+  return jnp.concatenate([rows, jnp.asarray(other_embedding, table.dtype)[None]], axis=0)
+
+
+def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
+             num_layers: int, dtype: str = 'float32') -> protocol.Model:
+  """A full-vocabulary draft `Model` from its trained parameters and the target's embeddings.
+
+  `trained` holds `layers_{i}`, `final_norm` and `other_embedding` (`[D]`).
+  """
+  config = draft_config(target.definition.config, num_layers, len(subset_ids), dtype)
+  inner_params = {k: v for k, v in trained.items() if k != 'other_embedding'}
+  inner_params['embedder'] = {
+      'embedding': subset_embedding(target, subset_ids, trained['other_embedding'])}
+  inner_params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.param_dtype),
+                                        inner_params)
+  inner = protocol.Model(llama.Llama(config), inner_params)
+  inner.definition.validate_params(inner.params)
+  return subset_vocab.wrap(inner, subset_ids, target.vocab_size)
+
+
+def save(path: str, trained: dict[str, Any], subset_ids, metadata: dict[str, Any]) -> None:
+  """Writes the trained parameters (bfloat16) and subset ids as one safetensors file."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  flat = {}
+  for key_path, value in jax.tree_util.tree_flatten_with_path(trained)[0]:
+    name = '.'.join(str(getattr(k, 'key', k)) for k in key_path)
+    # bfloat16 halves the file; stored as raw uint16 since NumPy has no bfloat16 of its own.
+    flat[name] = np.asarray(jnp.asarray(value, jnp.bfloat16)).view(np.uint16)
+  flat['subset_ids'] = np.asarray(subset_ids, np.int32)
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  save_file(flat, path, metadata={'speclm': json.dumps(metadata, sort_keys=True)})
+
+
+def read(path: str | None = None) -> tuple[dict[str, Any], np.ndarray, dict[str, Any]]:
+  """(trained params as float32, subset ids, metadata) from a draft file."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  path = path or os.path.join(DRAFT_DIR, WEIGHTS_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No SmolLM2 draft at {path}; train one with'
+                            ' `python scripts/train_smollm2_draft.py`.')
+  trained: dict[str, Any] = {}
+  with safe_open(path, framework='numpy') as f:
+    metadata = json.loads((f.metadata() or {}).get('speclm', '{}'))
+    subset_ids = f.get_tensor('subset_ids')
+    for name in f.keys():
+      if name == 'subset_ids':
+        continue
+      value = f.get_tensor(name).view(jnp.bfloat16).astype(np.float32)
+      node = trained
+      *parents, leaf = name.split('.')
+      for part in parents:
+        node = node.setdefault(part, {})
+      node[leaf] = value
+  return trained, subset_ids, metadata
+
+
+def load(target: protocol.Model, path: str | None = None,
+         dtype: str = 'float32') -> protocol.Model:
+  """The shipped (or a given) draft for `target` = SmolLM2-135M, as a `protocol.Model`."""
+  trained, subset_ids, metadata = read(path)
+  num_layers = sum(1 for k in trained if k.startswith('layers_'))
+  if metadata.get('num_layers', num_layers) != num_layers:
+    raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
+                     f' {num_layers}.')
+  return assemble(target, trained, subset_ids, num_layers, dtype)

@@ -1,0 +1,98 @@
+"""A draft that only ever proposes a subset of the vocabulary (e.g. the most frequent tokens).
+
+The inner model works over S = len(subset) + 1 ids: the subset, then one "other" id that
+stands for every token outside it on the *input* side. Its logits are scattered back to the
+full vocabulary with −inf (probability 0) everywhere else, so the draft's q̃ is 0 outside the
+subset. Speculative sampling stays exact for any q (paper §3.6); a smaller head only lowers
+the draft's cost c, and α a little where the target's tokens fall outside the subset.
+
+Parameters: `{'inner': <inner model params>, 'to_subset': [V] int32, 'from_subset': [S-1]
+int32}` — the id maps are arrays, so one compiled definition serves any subset of a size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speclm import protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class SubsetVocabModel(protocol.LanguageModel):
+  """Wraps `inner` (vocabulary S = subset size + 1) as a model over `full_vocab_size` ids."""
+
+  inner: protocol.LanguageModel
+  full_vocab_size: int
+
+  def __post_init__(self):
+    if self.inner.vocab_size < 2:
+      raise ValueError('The inner model needs at least one subset token and the "other" id.')
+
+  @property
+  def vocab_size(self) -> int:  # type: ignore[override]
+    return self.full_vocab_size
+
+  @property
+  def subset_size(self) -> int:
+    return self.inner.vocab_size - 1
+
+  def _to_inner(self, params, tokens):
+    return params['to_subset'][tokens]
+
+  def _to_full(self, params, logits):
+    """Inner logits `[..., S]` -> full logits `[..., V]`, −inf outside the subset."""
+    full = jnp.full(logits.shape[:-1] + (self.full_vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., params['from_subset']].set(logits[..., :self.subset_size])
+
+  def init_cache(self, batch_size, max_length):
+    return self.inner.init_cache(batch_size, max_length)
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    logits, cache = self.inner.prefill(params['inner'], self._to_inner(params, inputs),
+                                       input_lengths, cache)
+    return self._to_full(params, logits), cache
+
+  def extend(self, params, tokens, cache):
+    logits, cache = self.inner.extend(params['inner'], self._to_inner(params, tokens), cache)
+    return self._to_full(params, logits), cache
+
+  def prefix_length(self, input_lengths):
+    return self.inner.prefix_length(input_lengths)
+
+  def last_prefix_token(self, inputs, input_lengths):
+    return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
+
+  def cache_lengths(self, cache):
+    return self.inner.cache_lengths(cache)
+
+  def rollback(self, cache, lengths):
+    return self.inner.rollback(cache, lengths)
+
+  def cache_capacity(self, cache):
+    return self.inner.cache_capacity(cache)
+
+
+def subset_maps(token_ids, full_vocab_size: int) -> dict[str, np.ndarray]:
+  """The id maps for a subset: full id -> inner id (S−1 = "other"), and inner id -> full id."""
+  token_ids = np.asarray(token_ids, np.int32)
+  if len(np.unique(token_ids)) != len(token_ids):
+    raise ValueError('The token subset has duplicate ids.')
+  if token_ids.min() < 0 or token_ids.max() >= full_vocab_size:
+    raise ValueError(f'Subset ids must lie in [0, {full_vocab_size}).')
+  to_subset = np.full((full_vocab_size,), len(token_ids), np.int32)
+  to_subset[token_ids] = np.arange(len(token_ids), dtype=np.int32)
+  return {'to_subset': to_subset, 'from_subset': token_ids}
+
+
+def wrap(inner: protocol.Model, token_ids, full_vocab_size: int) -> protocol.Model:
+  """A `Model` over the full vocabulary from an inner model over `len(token_ids) + 1` ids."""
+  if inner.vocab_size != len(token_ids) + 1:
+    raise ValueError(f'The inner model has {inner.vocab_size} ids; a subset of'
+                     f' {len(token_ids)} tokens needs {len(token_ids) + 1} (one for "other").')
+  params = {'inner': inner.params, **jax.tree_util.tree_map(
+      jnp.asarray, subset_maps(token_ids, full_vocab_size))}
+  return protocol.Model(SubsetVocabModel(inner.definition, full_vocab_size), params)
