@@ -11,6 +11,7 @@ CORE = [
     'msgpack',  # T5X checkpoints
     'safetensors',  # Hugging Face checkpoints, shipped drafts
     'tensorstore',  # T5X zarr arrays, local or gs://
+    'sentencepiece',  # T5 vocabularies
 ]
 HF = ['torch==2.13.0', 'transformers', 'accelerate', 'sentencepiece', 'tokenizers']
 GGUF = ['gguf', 'tokenizers', 'jinja2']
@@ -37,7 +38,7 @@ setuptools.setup(
     license='Apache-2.0',
     python_requires='>=3.10',
     packages=setuptools.find_packages(include=['speclm', 'speclm.*']),
-    include_package_data=True,
+    package_data={'speclm': ['assets/*/*']},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

@@ -107,14 +107,23 @@ def load_data(work_dir: str):
 
 
 def choose_subset(seqs, prompt_lengths, size: int, eos_id: int) -> np.ndarray:
-  """The `size` most frequent reply tokens (the end token always included), ids ascending."""
+  """The `size` most frequent reply tokens (the end token always included), ids ascending.
+
+  If the replies hold fewer distinct tokens, the rest of the subset is filled with the lowest
+  unused ids: byte-level BPE numbers its merges in order of frequency in its training corpus,
+  so low ids are the tokens most likely to appear in replies on unseen topics.
+  """
   counts: dict[int, int] = {}
   for s, p in zip(seqs, prompt_lengths):
     for t in s[p:]:
       counts[int(t)] = counts.get(int(t), 0) + 1
   counts[eos_id] = max(counts.values()) + 1
   ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-  return np.array(sorted(ranked), np.int32)
+  chosen = set(ranked)
+  filler = (t for t in range(size * 4) if t not in chosen)
+  while len(chosen) < size:
+    chosen.add(next(filler))
+  return np.array(sorted(chosen), np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +180,8 @@ def train(target, seqs, prompt_lengths, subset_ids, layers):
   tokens_per_epoch = sum(len(s) - p for s, p in zip(seqs, prompt_lengths))
   steps_per_epoch = max(1, len(seqs) // _BATCH.value)
   steps = max(1, int(_EPOCHS.value * steps_per_epoch))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(100, steps // 10 + 1), steps)
+  warmup = min(100, steps // 10 + 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(steps, warmup + 1))
   optimizer = optax.adamw(schedule, weight_decay=0.01)
   trained = initial_params(target, layers)
   opt_state = optimizer.init(trained)

@@ -9,6 +9,7 @@
                      with a different dataset or mode refuses to mix outputs.
   metrics.json       the report (written atomically at the end).
   config.gin         the resolved gin config (written atomically at the start).
+  operative_config.gin  the bindings the job used (at the end).
   .lock              held with `flock` while a job runs, so two jobs cannot share a directory.
 """
 
@@ -24,6 +25,7 @@ from typing import Any, Iterable
 PREDICTIONS = 'predictions.jsonl'
 METRICS = 'metrics.json'
 CONFIG = 'config.gin'
+OPERATIVE_CONFIG = 'operative_config.gin'
 JOB = 'job.json'
 LOCK = '.lock'
 

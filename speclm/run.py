@@ -289,6 +289,41 @@ def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
   return lookup.prompt_lookup(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
 
 
+@gin.configurable
+def smollm2_draft_model(path: str | None = None, dtype: str = 'float32') -> protocol.Model:
+  """The trained draft shipped for SmolLM2-135M (`speclm.models.smollm2_draft`).
+
+  It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
+  """
+  if path is not None:
+    _check_path(path, 'SmolLM2 draft')
+  from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
+  from speclm.models import smollm2_draft  # pylint: disable=g-import-not-at-top
+  return smollm2_draft.load(smollm2.load_model(dtype), path, dtype)
+
+
+@gin.configurable
+def smollm2_chat_vocabulary() -> vocab_lib.Vocabulary:
+  """SmolLM2's tokenizer with its chat template: each input is a user message."""
+  from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
+  tok = smollm2.load_tokenizer()
+  return vocab_lib.FunctionVocabulary(tok.encode_chat, tok.decode, tok.vocab_size,
+                                      eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
+
+
+@gin.configurable
+def builtin_prompts_dataset(name: str = 'demo', count: int | None = None
+                            ) -> list[inputs_lib.Example]:
+  """A built-in prompt set of `speclm.data.builtin_prompts`: 'demo', 'heldout' or 'training'."""
+  from speclm.data import builtin_prompts  # pylint: disable=g-import-not-at-top
+  sets = {'demo': builtin_prompts.demo_prompts, 'heldout': builtin_prompts.heldout_prompts,
+          'training': builtin_prompts.training_prompts}
+  if name not in sets:
+    raise JobError(f'builtin_prompts_dataset.name must be one of {sorted(sets)}, got {name!r}.')
+  prompts = sets[name]() if count is None else sets[name](count)
+  return [inputs_lib.Example(index=i, id=f'{name}-{i}', input=p) for i, p in enumerate(prompts)]
+
+
 def as_vocabulary(obj: Any) -> vocab_lib.Vocabulary:
   """A `Vocabulary`, or any tokenizer with encode, decode, vocab_size and eos_id, adapted."""
   if isinstance(obj, vocab_lib.Vocabulary):
@@ -538,6 +573,7 @@ def run_job(*,
                       'decoded_this_run': len(pending), 'resumed_from': len(done),
                       'output_dir': output_dir}
     outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
+    outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
   finally:
     out.close()
   print(summary(metrics))
@@ -736,6 +772,46 @@ def summary(metrics: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Several temperatures in one command
+
+
+@gin.configurable
+def run_sweep(temperatures: Sequence[float] = gin.REQUIRED, output_dir: str = gin.REQUIRED,
+              show_outputs: int = 0, progress_stream=None) -> dict[float, dict[str, Any]]:
+  """Runs `run_job` once per temperature, into `output_dir/temperature_<T>`.
+
+  Every other setting comes from `run_job`'s bindings; `show_outputs` prints that many decoded
+  texts of each run (the embedded demo shows a few).
+  """
+  if not temperatures:
+    raise JobError('run_sweep.temperatures is empty; give at least one, e.g. [0.0, 1.0].')
+  results = {}
+  for temperature in temperatures:
+    sub_dir = os.path.join(output_dir, f'temperature_{temperature:g}')
+    print(f'\n=== temperature {temperature:g} -> {sub_dir}', file=progress_stream or sys.stdout)
+    metrics = run_job(sampling=sampling_lib.SamplingConfig(  # pylint: disable=missing-kwoa
+        temperature=float(temperature)), output_dir=sub_dir, progress_stream=progress_stream)
+    if show_outputs:
+      method = 'speculative' if metrics['mode'] != 'baseline' else 'baseline'
+      records = sorted(outputs_lib.read_predictions(os.path.join(sub_dir,
+                                                                 outputs_lib.PREDICTIONS)),
+                       key=lambda r: r['index'])
+      for record in records[:show_outputs]:
+        if method in record:
+          print(f"\n> {record['input']}\n{record[method]['output'].strip()}",
+                file=progress_stream or sys.stdout)
+    results[float(temperature)] = metrics
+  return results
+
+
+def _sweep_requested() -> bool:
+  try:
+    return gin.query_parameter('run_sweep.temperatures') is not None
+  except ValueError:
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -759,7 +835,10 @@ def main(argv: Sequence[str]) -> None:
       raise JobError('No gin file given. Run e.g. python -m speclm.run'
                      ' --gin_file=test_tiny.gin --gin.OUTPUT_DIR="\'/tmp/out\'".')
     parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
-    run_job()  # pylint: disable=missing-kwoa
+    if _sweep_requested():
+      run_sweep()  # pylint: disable=no-value-for-parameter
+    else:
+      run_job()  # pylint: disable=missing-kwoa
   except JobError as e:
     _fail(e.message)
   except RuntimeError as e:

@@ -204,7 +204,7 @@ def _drafts():
 
 
 @pytest.mark.parametrize('kind,gamma', [('unigram', 4), ('bigram', 4), ('lookup', 4),
-                                        ('lookup', 1), ('lookup_smoothed', 3)])
+                                        ('lookup_smoothed', 1)])
 def test_greedy_speculative_equals_baseline(kind, gamma):
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=1)
   draft = _drafts()[kind]
@@ -222,8 +222,7 @@ def test_sampling_with_peaked_drafts_runs_clean():
   """-inf logits of a one-hot draft are legal: no row stops for bad logits at temperature 1."""
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=2)
   prompts, lengths = np.array([[3, 4, 5, 3, 4, 5], [9, 9, 9, 9, 9, 9]]), np.array([6, 4])
-  drafts = _drafts()
-  for draft in (drafts['bigram'], drafts['lookup']):
+  for draft in (_drafts()['lookup'],):  # one-hot q: -inf everywhere but one token
     result = speclm.speculative_decode(target, draft, prompts, lengths, gamma=3, seed=5,
                                        sampling=speclm.SamplingConfig(temperature=1.0),
                                        max_new_tokens=12)

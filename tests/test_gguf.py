@@ -56,9 +56,11 @@ def _random_blocks(kind: str, num_blocks: int, rng) -> bytes:
   return out
 
 
-def _write(path, tensors, *, arch='llama', metadata=None):
-  """Writes a GGUF file. `tensors`: name -> float array, or (uint8 bytes [rows, row_bytes], type)."""
+def _write(path, tensors, *, arch='llama', metadata=None, configure=None):
+  """Writes a GGUF file; `tensors` maps names to float arrays or (uint8 blocks, type) pairs."""
   writer = gguf.GGUFWriter(str(path), arch)
+  if configure is not None:
+    configure(writer)
   for key, value in (metadata or {}).items():
     if isinstance(value, bool):
       writer.add_bool(key, value)
@@ -95,10 +97,13 @@ def test_float_tensors(tmp_path):
   rng = np.random.default_rng(1)
   f32 = rng.normal(size=(4, 6)).astype(np.float32)
   f16 = rng.normal(size=(5,)).astype(np.float16)
-  _write(tmp_path / 'f.gguf', {'a': f32, 'b': f16})
+  bf16 = (f32.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # exact in bfloat16
+  raw_bf16 = (bf16.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(4, 12)
+  _write(tmp_path / 'f.gguf', {'a': f32, 'b': f16, 'c': (raw_bf16, Q.BF16)})
   file = gguf_reader.open_gguf(tmp_path / 'f.gguf')
   np.testing.assert_array_equal(file.tensor('a'), f32)
   np.testing.assert_array_equal(file.tensor('b'), f16.astype(np.float32))
+  np.testing.assert_array_equal(file.tensor('c'), bf16)
 
 
 def test_quantize_round_trip_is_close(tmp_path):
@@ -276,3 +281,54 @@ def test_missing_metadata(tmp_path):
          metadata={'llama.embedding_length': 8})
   with pytest.raises(ValueError, match='llama.attention.head_count'):
     gguf_reader.read_config(tmp_path / 'm.gguf')
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer metadata
+
+
+def _tokenizer_file(path, *, model='gpt2', pre='smollm'):
+  """A GGUF file with a tiny byte-level BPE vocabulary: specials, 256 byte symbols, 'hello'."""
+  from tokenizers import pre_tokenizers  # pylint: disable=g-import-not-at-top
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tokens = ['<s>', '</s>'] + alphabet + ['he', 'hel', 'hell', 'hello']
+  types = [3, 3] + [1] * (len(tokens) - 2)
+  template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+              "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+  def configure(writer):
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(['h e', 'he l', 'hel l', 'hell o'])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(template)
+
+  _write(path, {'token_embd.weight': np.zeros((len(tokens), 8), np.float32)},
+         configure=configure)
+  return tokens
+
+
+def test_tokenizer_from_gguf_metadata(tmp_path):
+  from speclm import tokenizer  # pylint: disable=g-import-not-at-top
+  vocab = _tokenizer_file(tmp_path / 't.gguf')
+  tok = tokenizer.Tokenizer.from_gguf(tmp_path / 't.gguf')
+  assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.vocab_size) == (0, 1, True, len(vocab))
+  ids = tok.encode('hello 42 héllo')
+  assert ids[0] == 0 and ids[1] == vocab.index('hello')  # BOS added, merges applied
+  assert tok.decode(ids) == 'hello 42 héllo'
+  assert tok.encode('<s>hello', add_bos=False) == [0, vocab.index('hello')]  # specials whole
+  assert tok.render_chat('hi') == '<s>[user] hi</s>[assistant] '
+  assert tok.encode_chat('hi')[:2] == [0, vocab.index('[')]  # the template's BOS, not a second
+
+
+@pytest.mark.parametrize('model,pre,message', [('llama', 'default', "'llama' tokenizer"),
+                                               ('gpt2', 'mystery', "pre-tokenizer 'mystery'")])
+def test_tokenizer_errors(tmp_path, model, pre, message):
+  from speclm import tokenizer  # pylint: disable=g-import-not-at-top
+  _tokenizer_file(tmp_path / 't.gguf', model=model, pre=pre)
+  with pytest.raises(ValueError, match=message):
+    tokenizer.Tokenizer.from_gguf(tmp_path / 't.gguf')

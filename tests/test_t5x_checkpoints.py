@@ -264,6 +264,11 @@ def test_orbax_checkpoint_roundtrip(tmp_path, model):
     assert set(flat_in) == set(flat_out)
     for name in flat_in:
       np.testing.assert_array_equal(flat_out[name], flat_in[name], err_msg=name)
+  # T5X's CheckpointManager layout: checkpoint_<step>/state/ holds the PyTree.
+  ocp.PyTreeCheckpointer().save(tmp_path / 'managed' / 'checkpoint_11' / 'state', state)
+  restored = checkpoints.load_checkpoint(tmp_path / 'managed' / 'checkpoint_11')
+  np.testing.assert_array_equal(restored['token_embedder']['embedding'],
+                                params['token_embedder']['embedding'])
   with pytest.raises(checkpoints.CheckpointError,
                      match=r'(token_embedder/embedding|logits_dense/kernel)'
                      r'.*expects \((16, 96|96, 16)\)'):

@@ -284,17 +284,18 @@ def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig) -> dict:
   return params
 
 
-def load_model(path: str | os.PathLike, *, dtype: str = 'float32') -> protocol.Model:
+def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') -> protocol.Model:
   """Reads a Llama-family GGUF file into a `speclm.protocol.Model` (a `llama.Llama`).
 
   Args:
-    path: the `.gguf` file.
+    source: the `.gguf` file, or a `GGUFFile` already opened (opening parses every metadata
+      array, seconds for a large vocabulary; share one with `Tokenizer.from_gguf`).
     dtype: parameter and activation dtype ('float32' or 'bfloat16'); quantized tensors are
       dequantized to float32 first.
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  file = open_gguf(path)
+  file = source if isinstance(source, GGUFFile) else open_gguf(source)
   config = config_from_gguf(file, dtype=dtype)
   params = params_from_gguf(file, config)
   definition = llama.Llama(config)

@@ -240,7 +240,7 @@ def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> proto
 
 
 def load_tokenizer(directory: str | os.PathLike):
-  """The directory's `tokenizer.json` (+ `tokenizer_config.json`) as a `speclm.tokenizer.Tokenizer`."""
+  """The directory's `tokenizer.json` (+ `tokenizer_config.json`) as a speclm `Tokenizer`."""
   from speclm import tokenizer  # pylint: disable=import-outside-toplevel
   return tokenizer.Tokenizer.from_pretrained_dir(directory)
 

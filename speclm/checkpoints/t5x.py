@@ -307,7 +307,6 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
     base_dir, rel = posixpath.split(rel.rstrip('/'))
   elif os.path.isabs(rel):
     base_dir, rel = os.path.split(rel.rstrip('/'))
-  dtype = _zarr_dtype(spec.get('dtype') or spec['metadata']['dtype'])
   if _is_gcs(base_dir):
     where = posixpath.join(base_dir, rel)
     kvstore = _kvstore_spec(where)
@@ -324,7 +323,11 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
       if not os.path.isfile(os.path.join(array_dir, key)):
         raise CheckpointError(f'Missing zarr chunk of {name}: {os.path.join(array_dir, key)}')
     if not os.path.isfile(os.path.join(array_dir, '.zarray')):
-      return _read_zarr_numpy(array_dir, metadata, dtype, name)
+      dtype_name = spec.get('dtype') or metadata.get('dtype')
+      if not dtype_name:
+        raise CheckpointError(f'Zarr array {name} has neither .zarray nor a dtype in its spec:'
+                              f' {array_dir}')
+      return _read_zarr_numpy(array_dir, metadata, _zarr_dtype(dtype_name), name)
     kvstore = _kvstore_spec(array_dir)
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   try:
@@ -409,20 +412,10 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
     zarr_arrays = {name: future.result() for name, future in pending.items()}
   out = {}
   for name, leaf in flat.items():
-    if isinstance(leaf, _Inline):
-      arr = _decode_inline(leaf, name, msgpack_path)
-      if leaf.code == _EXT_SCALAR:
-        arr = arr.reshape(())
-    elif _is_ts_spec(leaf):
+    if _is_ts_spec(leaf):
       arr = zarr_arrays.pop(name)
-    elif _is_chunked(leaf):
-      pieces = [leaf['chunks'][str(i)] for i in range(len(leaf['chunks']))]
-      pieces = [_decode_inline(p, name, msgpack_path) if isinstance(p, _Inline) else p
-                for p in pieces]
-      shape = tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
-      arr = np.concatenate([np.ravel(p) for p in pieces]).reshape(shape)
     else:
-      arr = np.asarray(leaf)
+      arr = _decode_leaf(leaf, name, msgpack_path)
     if flat_expected is not None:
       _check_shape(name, arr.shape, flat_expected[name].shape, msgpack_path)
       want = dtype if dtype is not None else flat_expected[name].dtype
@@ -430,6 +423,19 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       want = dtype
     out[name] = _cast(arr, want)
   return _unflatten(out)
+
+
+def _decode_leaf(leaf, name: str, source: str) -> np.ndarray:
+  """An inline array, a Flax chunked array, or a plain msgpack value, as numpy."""
+  if isinstance(leaf, _Inline):
+    arr = _decode_inline(leaf, name, source)
+    return arr.reshape(()) if leaf.code == _EXT_SCALAR else arr
+  if _is_chunked(leaf):
+    pieces = [leaf['chunks'][str(i)] for i in range(len(leaf['chunks']))]
+    pieces = [_decode_inline(p, name, source) if isinstance(p, _Inline) else p for p in pieces]
+    shape = tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
+    return np.concatenate([np.ravel(p) for p in pieces]).reshape(shape)
+  return np.asarray(leaf)
 
 
 def read_t5x_state(path: str | os.PathLike) -> dict:
@@ -441,9 +447,8 @@ def read_t5x_state(path: str | os.PathLike) -> dict:
   state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
 
   def load(node, prefix):
-    if isinstance(node, _Inline):
-      arr = _decode_inline(node, prefix, msgpack_path)
-      return arr.reshape(()) if node.code == _EXT_SCALAR else arr
+    if isinstance(node, _Inline) or _is_chunked(node):
+      return _decode_leaf(node, prefix, msgpack_path)
     if _is_ts_spec(node):
       return _read_zarr(node, base_dir, prefix, msgpack_path)
     if isinstance(node, dict):
@@ -492,10 +497,10 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   """Writes `params` as a legacy T5X checkpoint directory (msgpack + zarr); returns its path.
 
   Arrays of at least `zarr_min_bytes` bytes are written as gzip-compressed zarr arrays named
-  `target.<dotted parameter path>`; smaller ones are inline in the msgpack. The optimizer state
-  holds only the step (`param_states` is empty), which T5X's inference and fine-tuning
-  restore (`load_t5x_checkpoint`, or `restore` from `target` only) accept. The msgpack file is
-  written last, so a directory with a `checkpoint` file is complete.
+  `target.<dotted parameter path>`; smaller ones are inline in the msgpack. It is a
+  parameters-only checkpoint: the optimizer state holds just the step (`param_states` is
+  empty). The msgpack file is written last, so a directory with a `checkpoint` file is
+  complete.
   """
   directory = os.fspath(directory)
   if not _is_gcs(directory):
@@ -519,10 +524,15 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
 # Orbax
 
 
+_ORBAX_MARKERS = ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt', 'state/_METADATA',
+                  'state/manifest.ocdbt', 'state/checkpoint', 'state/_sharding')
+
+
 def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+  """Whether `path` looks like an Orbax checkpoint (or a T5X CheckpointManager step with a
+  `state` item) rather than a legacy one (whose msgpack `checkpoint` sits in the directory)."""
   path = os.fspath(path)
-  return any(_exists(_join(path, marker)) for marker in
-             ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt', 'state/_METADATA'))
+  return any(_exists(_join(path, marker)) for marker in _ORBAX_MARKERS)
 
 
 def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
@@ -598,6 +608,6 @@ def _flatten_mapping(tree, prefix: str = '') -> dict[str, Any]:
 def load_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
   """A T5X checkpoint in either format: Orbax if its metadata is there, else legacy msgpack."""
   path = os.fspath(path)
-  if is_orbax_checkpoint(path) and not _exists(_join(path, 'checkpoint')):
+  if not _exists(_join(path, 'checkpoint')) and is_orbax_checkpoint(path):
     return load_orbax_checkpoint(path, expected=expected, dtype=dtype)
   return load_t5x_checkpoint(path, expected=expected, dtype=dtype)

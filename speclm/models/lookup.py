@@ -29,7 +29,7 @@ from speclm.models import ngram
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookup(ngram._HistoryModel):  # pylint: disable=protected-access
+class PromptLookup(ngram.HistoryModel):
   """The prompt-lookup draft. See the module docstring."""
 
   vocab_size: int

@@ -72,7 +72,7 @@ def append_tokens(history: TokenHistory, new_tokens) -> TokenHistory:
   return TokenHistory(tokens=tokens, lengths=history.lengths + new_tokens.shape[1])
 
 
-class _HistoryModel(protocol.LanguageModel):
+class HistoryModel(protocol.LanguageModel):
   """Shared protocol plumbing of drafts whose cache is the token history."""
 
   def init_cache(self, batch_size: int, max_length: int) -> TokenHistory:
@@ -86,7 +86,7 @@ class _HistoryModel(protocol.LanguageModel):
 
 
 @dataclasses.dataclass(frozen=True)
-class Unigram(_HistoryModel):
+class Unigram(HistoryModel):
   """q(x) = P(x) at every position. Params: {'log_probs': [V]}."""
 
   vocab_size: int
@@ -104,7 +104,7 @@ class Unigram(_HistoryModel):
 
 
 @dataclasses.dataclass(frozen=True)
-class Bigram(_HistoryModel):
+class Bigram(HistoryModel):
   """q(x | previous token), with the top successors of each token and a unigram backoff."""
 
   vocab_size: int

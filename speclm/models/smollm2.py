@@ -52,18 +52,25 @@ def is_available() -> bool:
   return True
 
 
+@functools.lru_cache(maxsize=1)
+def _open():
+  # Parsing the file's metadata (49k tokens, 49k merges) takes seconds: do it once.
+  from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
+  return gguf.open_gguf(gguf_path())
+
+
 @functools.lru_cache(maxsize=2)
 def load_model(dtype: str = 'float32') -> protocol.Model:
   """SmolLM2-135M-Instruct as a `speclm.protocol.Model` (cached: later calls are free)."""
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  return gguf.load_model(gguf_path(), dtype=dtype)
+  return gguf.load_model(_open(), dtype=dtype)
 
 
 @functools.lru_cache(maxsize=1)
 def load_tokenizer():
   """SmolLM2's tokenizer and chat template (a `speclm.tokenizer.Tokenizer`), from the GGUF."""
   from speclm import tokenizer  # pylint: disable=import-outside-toplevel
-  return tokenizer.Tokenizer.from_gguf(gguf_path())
+  return tokenizer.Tokenizer.from_gguf(_open())
 
 
 def load(dtype: str = 'float32'):
