@@ -43,6 +43,7 @@ import numpy as np
 
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.t5x import CheckpointError
+from speclm.models import layers
 from speclm.models import t5
 
 _ATTN = {'q': 'query', 'k': 'key', 'v': 'value', 'o': 'out'}
@@ -210,11 +211,4 @@ def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
       raise CheckpointError(f'Parameter {ours} (from {hf_name} in {directory}) has shape'
                             f' {tuple(arr.shape)}, the model config expects {want}.')
     flat[ours] = np.ascontiguousarray(arr).astype(target_dtype)
-  tree: dict = {}
-  for name, value in flat.items():
-    node = tree
-    *parents, leaf = name.split('/')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return config, tree
+  return config, layers.unflatten(flat)

@@ -36,6 +36,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from speclm.models import layers
+
 SUPPORTED_VERSIONS = (1, 2, 3)
 WRITE_VERSION = 3
 _EXT_ARRAY = 1
@@ -214,15 +216,6 @@ def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict:
-  tree: dict = {}
-  for name, value in flat.items():
-    node = tree
-    *parents, leaf = name.split('/')
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return tree
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,7 +415,7 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
     else:
       want = dtype
     out[name] = _cast(arr, want)
-  return _unflatten(out)
+  return layers.unflatten(out)
 
 
 def _decode_leaf(leaf, name: str, source: str) -> np.ndarray:
@@ -513,7 +506,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
       target[name] = _write_zarr(arr, directory, 'target.' + name.replace('/', '.'))
     else:
       target[name] = _encode_inline(arr)
-  state = {'version': WRITE_VERSION, 'target': _unflatten(target),
+  state = {'version': WRITE_VERSION, 'target': layers.unflatten(target),
            'state': {'step': _encode_inline(np.asarray(step, np.int32), _EXT_SCALAR),
                      'param_states': {}}}
   _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
@@ -575,8 +568,8 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
       if hasattr(meta, 'shape'):
         _check_shape(name, meta.shape, flat_expected[name].shape, path)
   restore_args = jax.tree_util.tree_map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), _unflatten(flat_meta))
-  item = _unflatten({name: np.zeros((), np.float32) for name in flat_meta})
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), layers.unflatten(flat_meta))
+  item = layers.unflatten({name: np.zeros((), np.float32) for name in flat_meta})
   for k in reversed(prefix):
     restore_args, item = {k: restore_args}, {k: item}
   try:
@@ -591,7 +584,7 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
     want = dtype if dtype is not None else (
         flat_expected[name].dtype if flat_expected is not None else None)
     out[name] = _cast(np.asarray(arr), want)
-  return _unflatten(out)
+  return layers.unflatten(out)
 
 
 def _flatten_mapping(tree, prefix: str = '') -> dict[str, Any]:

@@ -36,6 +36,7 @@ import numpy as np
 from flax import struct
 
 from speclm import protocol
+from speclm.models import layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,23 +123,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
   return rotated.astype(x.dtype)
 
 
-def _dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
-  # float32 accumulation: XLA's CPU bf16 dots are slow and lossy otherwise.
-  return jnp.einsum(spec, x, kernel.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
-
-
-class RMSNorm(nn.Module):
-  eps: float
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 class Kernel(nn.Module):
   """A bias-free projection whose kernel has the given shape; `spec` is its einsum."""
 
@@ -152,7 +136,7 @@ class Kernel(nn.Module):
   def __call__(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
-    return _dot(self.spec, x, kernel, self.dtype)
+    return layers.dot(self.spec, x, kernel, self.dtype)
 
 
 class Attention(nn.Module):
@@ -172,8 +156,9 @@ class Attention(nn.Module):
     k = apply_rope(k, positions, inv_freq)
 
     # Write the K new entries at each row's own offset (a scatter across rows).
+    zero = jnp.zeros((), lengths.dtype)  # index dtypes must agree (also under jax_enable_x64)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
-        cache, new.astype(cache.dtype), (start, 0, 0)))
+        cache, new.astype(cache.dtype), (start, zero, zero)))
     keys = write(keys, k, lengths)
     values = write(values, v, lengths)
 
@@ -213,10 +198,11 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, positions, keys, values, lengths):
     c = self.config
     pd = jnp.dtype(c.param_dtype)
-    attn_out, keys, values = Attention(c, name='attention')(
-        RMSNorm(c.norm_eps, pd, name='pre_attention_norm')(x), positions, keys, values, lengths)
+    normed = layers.RMSNorm(c.norm_eps, pd, name='pre_attention_norm')(x)
+    attn_out, keys, values = Attention(c, name='attention')(normed, positions, keys, values,
+                                                            lengths)
     x = x + attn_out
-    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, pd, name='pre_mlp_norm')(x))
+    x = x + MLP(c, name='mlp')(layers.RMSNorm(c.norm_eps, pd, name='pre_mlp_norm')(x))
     return x, keys, values
 
 
@@ -231,7 +217,7 @@ class LlamaModule(nn.Module):
     self.embedder = nn.Embed(c.vocab_size, c.embed_dim, param_dtype=pd,
                              embedding_init=nn.initializers.normal(stddev=1.0 / math.sqrt(c.embed_dim)))
     self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]  # named layers_0, layers_1, …
-    self.final_norm = RMSNorm(c.norm_eps, pd)
+    self.final_norm = layers.RMSNorm(c.norm_eps, pd)
     if not c.tie_embeddings:
       self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
                             jnp.float32)

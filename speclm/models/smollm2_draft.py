@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from speclm import protocol
+from speclm.models import layers
 from speclm.models import llama
 from speclm.models import subset_vocab
 
@@ -81,20 +82,12 @@ def read(path: str | None = None) -> tuple[dict[str, Any], np.ndarray, dict[str,
   if not os.path.isfile(path):
     raise FileNotFoundError(f'No SmolLM2 draft at {path}; train one with'
                             ' `python scripts/train_smollm2_draft.py`.')
-  trained: dict[str, Any] = {}
   with safe_open(path, framework='numpy') as f:
     metadata = json.loads((f.metadata() or {}).get('speclm', '{}'))
     subset_ids = f.get_tensor('subset_ids')
-    for name in f.keys():
-      if name == 'subset_ids':
-        continue
-      value = f.get_tensor(name).view(jnp.bfloat16).astype(np.float32)
-      node = trained
-      *parents, leaf = name.split('.')
-      for part in parents:
-        node = node.setdefault(part, {})
-      node[leaf] = value
-  return trained, subset_ids, metadata
+    flat = {name: f.get_tensor(name).view(jnp.bfloat16).astype(np.float32)
+            for name in f.keys() if name != 'subset_ids'}
+  return layers.unflatten(flat, sep='.'), subset_ids, metadata
 
 
 def load(target: protocol.Model, path: str | None = None,

@@ -51,6 +51,7 @@ import numpy as np
 from flax import struct
 
 from speclm import protocol
+from speclm.models import layers
 
 DEFAULT_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
 _ACTIVATIONS = ('relu', 'gelu', 'gelu_exact', 'silu', 'linear')
@@ -182,12 +183,6 @@ def relative_position_bucket(relative_position, *, bidirectional: bool, num_buck
   return bucket + xp.where(is_small, n, large).astype(np.int32)
 
 
-def _dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
-  # float32 accumulation: XLA's CPU bf16 dots are slow and lossy otherwise.
-  return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
-
-
 def _activation(name: str, x: jax.Array) -> jax.Array:
   if name == 'relu':
     return jax.nn.relu(x)
@@ -198,20 +193,6 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
   if name == 'silu':
     return jax.nn.silu(x)
   return x  # 'linear'
-
-
-class RMSNorm(nn.Module):
-  """T5's layer norm: scale only, no bias or mean subtraction, computed in float32."""
-
-  eps: float
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x):
-    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 class Dense(nn.Module):
@@ -226,7 +207,7 @@ class Dense(nn.Module):
   def __call__(self, x):
     kernel = self.param('kernel', nn.initializers.normal(self.stddev),
                         (x.shape[-1], self.features), self.param_dtype)
-    return _dot('...i,io->...o', x, kernel, self.dtype)
+    return layers.dot('...i,io->...o', x, kernel, self.dtype)
 
 
 class RelativePositionBiases(nn.Module):
@@ -312,9 +293,9 @@ class EncoderLayer(nn.Module):
   def setup(self):
     c = self.config
     pd = jnp.dtype(c.param_dtype)
-    self.pre_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.pre_attention_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     self.attention = Attention(c)
-    self.pre_mlp_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.pre_mlp_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     self.mlp = MLP(c)
 
   def __call__(self, x, bias, visible):
@@ -331,7 +312,7 @@ class Encoder(nn.Module):
     c = self.config
     self.relpos_bias = RelativePositionBiases(c, bidirectional=True)
     self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
-    self.encoder_norm = RMSNorm(c.layer_norm_epsilon, jnp.dtype(c.param_dtype))
+    self.encoder_norm = layers.RMSNorm(c.layer_norm_epsilon, jnp.dtype(c.param_dtype))
 
   def __call__(self, x, input_lengths):
     """Embedded inputs `[B, P, D]` -> encoded `[B, P, D]`; keys past a row's length are masked."""
@@ -350,11 +331,11 @@ class DecoderLayer(nn.Module):
   def setup(self):
     c = self.config
     pd = jnp.dtype(c.param_dtype)
-    self.pre_self_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.pre_self_attention_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     self.self_attention = Attention(c)
-    self.pre_cross_attention_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.pre_cross_attention_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     self.encoder_decoder_attention = Attention(c)
-    self.pre_mlp_layer_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.pre_mlp_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     self.mlp = MLP(c)
 
   def cross_key_value(self, encoded):
@@ -388,7 +369,7 @@ class Decoder(nn.Module):
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     self.relpos_bias = RelativePositionBiases(c, bidirectional=False)
     self.layers = [DecoderLayer(c) for _ in range(c.num_decoder_layers)]
-    self.decoder_norm = RMSNorm(c.layer_norm_epsilon, pd)
+    self.decoder_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
     if not c.logits_via_embedding:
       self.logits_dense = Dense(c.vocab_size, c.emb_dim ** -0.5, pd, dt)
 
@@ -561,14 +542,7 @@ class T5(protocol.LanguageModel):
         return ('mlp', 'embed')
       return ('embed', 'mlp')  # mlp/wi, mlp/wi_0, mlp/wi_1
 
-    tree: dict = {}
-    for name in flatten_names(self.param_shapes()):
-      node = tree
-      *parents, leaf = name.split('/')
-      for part in parents:
-        node = node.setdefault(part, {})
-      node[leaf] = axes(name)
-    return tree
+    return layers.unflatten({name: axes(name) for name in flatten_names(self.param_shapes())})
 
   def num_params(self) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.param_shapes()))
