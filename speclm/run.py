@@ -44,6 +44,7 @@ from absl import flags
 from absl import logging
 import gin
 import jax
+import numpy as np
 
 from speclm import decoding
 from speclm import outputs as outputs_lib
@@ -163,8 +164,12 @@ def _required_message(names: Sequence[str]) -> str:
 
 
 def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
-              gin_search_paths: Sequence[str] = ()) -> None:
-  """Parses files then bindings (later ones win) and checks no required setting is left unset."""
+              gin_search_paths: Sequence[str] = (), not_needed: Sequence[str] = ()) -> None:
+  """Parses files then bindings (later ones win) and checks no required setting is left unset.
+
+  `not_needed` names required settings the caller will not use (e.g. OUTPUT_DIR for a tool
+  that only loads the job's models).
+  """
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
   # Gin logs an error for every search-path entry that lacks a file, even when a later entry
@@ -177,7 +182,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
     raise JobError(_explain_gin_error(e)) from None
   finally:
     std_logging.disable(std_logging.NOTSET)
-  missing = unset_required()
+  missing = [name for name in unset_required() if name not in not_needed]
   if missing:
     raise JobError(_required_message(missing))
   gin.finalize()
@@ -769,6 +774,58 @@ def summary(metrics: dict[str, Any]) -> str:
   if 'job' in metrics:
     rows.append(('output dir', metrics['job']['output_dir']))
   return progress_lib.table(rows, title='speclm run summary')
+
+
+# ----------------------------------------------------------------------------------------------
+# A job's models and prompts, for other tools (speclm.analysis)
+
+
+@gin.configurable
+def job_parts(target: Any = gin.REQUIRED, draft: Any = None, vocabulary: Any = None,
+              dataset: Any = None, max_input_length: int = 512):
+  """The providers a gin job names; `load_job` binds them to the job's macros."""
+  return target, draft, vocabulary, dataset, max_input_length
+
+
+_JOB_PARTS_BINDINGS = (
+    'job_parts.target = %TARGET', 'job_parts.draft = %DRAFT',
+    'job_parts.vocabulary = %VOCABULARY', 'job_parts.dataset = %DATASET',
+    'job_parts.max_input_length = %MAX_INPUT_LENGTH')
+
+
+def load_job(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
+             gin_search_paths: Sequence[str] = ()) -> dict[str, Any]:
+  """The target, draft and encoded prompts of a gin job (its TARGET, DRAFT, VOCABULARY,
+  DATASET and MAX_INPUT_LENGTH macros), without running it.
+
+  Returns a dict with 'target', 'draft' (`protocol.Model`s), 'prompts' `[N, P]`,
+  'prompt_lengths' `[N]` (right-padded token ids) and 'eos_id'.
+  """
+  parse_gin(gin_files, list(gin_bindings) + list(_JOB_PARTS_BINDINGS), gin_search_paths,
+            not_needed=('OUTPUT_DIR',))
+  target, draft, vocabulary, dataset, max_input_length = job_parts()  # pylint: disable=no-value-for-parameter
+  vocabulary = as_vocabulary(_provide(vocabulary, 'Loading the vocabulary'))
+  examples = list(_provide(dataset, 'Reading the dataset'))
+  if not examples:
+    raise JobError('The dataset is empty: no prompts to measure on.')
+  try:
+    encoded = [e for e in inputs_lib.encode_examples(examples, vocabulary,
+                                                     max_input_length=max_input_length)
+               if e.skipped is None]
+  except inputs_lib.DataError as e:
+    raise JobError(str(e)) from None
+  width = max(e.length for e in encoded)
+  prompts = np.full((len(encoded), width), vocabulary.pad_id, np.int32)
+  for row, item in enumerate(encoded):
+    prompts[row, :item.length] = item.ids
+  return {
+      'target': _provide(target, 'Loading the target model', protocol.Model),
+      'draft': None if draft is None else _provide(draft, 'Loading the draft model',
+                                                   protocol.Model),
+      'prompts': prompts,
+      'prompt_lengths': np.array([e.length for e in encoded], np.int32),
+      'eos_id': vocabulary.eos_id,
+  }
 
 
 # ----------------------------------------------------------------------------------------------

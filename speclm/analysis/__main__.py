@@ -6,9 +6,11 @@
   cost    c and r for a (target, draft) pair at a batch size: timed, compiled model calls.
   report  α, c, r and a real timed speedup, in the shape of the paper's Table 4.
 
-Models are given as specs, e.g. `--target=random:vocab=256,width=128,layers=4,seed=0
+Models are given either as specs, e.g. `--target=random:vocab=256,width=128,layers=4,seed=0
 --draft=random:vocab=256,width=128,layers=4,seed=0,keep_layers=1` (see
-`speclm.analysis.report.register_model_kind` to add kinds).
+`speclm.analysis.report.register_model_kind` to add kinds), or by a runner gin job:
+`--gin_file=demo.gin [--gin.NAME=VALUE …]` takes the job's TARGET and DRAFT, and its DATASET
+encoded by its VOCABULARY as the prompts (instead of random ones).
 """
 
 from __future__ import annotations
@@ -31,8 +33,42 @@ _MODEL_HELP = (
 
 
 def _add_models(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument('--target', required=True, help='target M_p: ' + _MODEL_HELP)
-  parser.add_argument('--draft', required=True, help='draft M_q: ' + _MODEL_HELP)
+  parser.add_argument('--target', help='target M_p: ' + _MODEL_HELP)
+  parser.add_argument('--draft', help='draft M_q: ' + _MODEL_HELP)
+  parser.add_argument('--gin_file', action='append', default=[],
+                      help='a speclm.run gin job (repeatable) whose TARGET, DRAFT, VOCABULARY'
+                      ' and DATASET macros give the models and prompts; --target/--draft,'
+                      ' when given, override its models')
+  parser.add_argument('--gin_bindings', action='append', default=[],
+                      help="a gin binding (repeatable); --gin.NAME=VALUE is a shorthand")
+  parser.add_argument('--gin_search_paths', action='append', default=[],
+                      help='extra directories searched for gin files')
+
+
+class _Job:
+  """The models (and, from a gin job, the prompts) a subcommand works on."""
+
+  def __init__(self, args):
+    self.prompts = self.prompt_lengths = self.eos_id = None
+    self.target = self.draft = None
+    if args.gin_file:
+      from speclm import run  # the runner's gin machinery, only when asked for
+      try:
+        job = run.load_job(args.gin_file, args.gin_bindings, args.gin_search_paths)
+      except run.JobError as e:
+        raise ValueError(e.message) from None
+      self.target, self.draft = job['target'], job['draft']
+      self.prompts, self.prompt_lengths = job['prompts'], job['prompt_lengths']
+      self.eos_id = job['eos_id']
+    if args.target:
+      self.target = report.model_from_spec(args.target)
+    if args.draft:
+      self.draft = report.model_from_spec(args.draft)
+    if self.target is None or self.draft is None:
+      raise ValueError('Give the models: --target and --draft specs, or --gin_file=JOB.gin'
+                       ' (a job with TARGET and DRAFT).')
+    self.target_name = args.target or f'TARGET of {" ".join(args.gin_file)}'
+    self.draft_name = args.draft or f'DRAFT of {" ".join(args.gin_file)}'
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -215,16 +251,20 @@ def _theory(args) -> int:
 def _alpha(args) -> int:
   import math
   from speclm.analysis import measure
-  target, draft = report.model_from_spec(args.target), report.model_from_spec(args.draft)
-  rows = math.ceil(args.num_tokens / args.tokens_per_row)
-  prompts, lengths = measure.random_prompts(target.vocab_size, rows, args.prompt_length,
-                                            args.seed)
+  job = _Job(args)
+  target, draft = job.target, job.draft
+  if job.prompts is not None:
+    prompts, lengths = job.prompts, job.prompt_lengths
+  else:
+    rows = math.ceil(args.num_tokens / args.tokens_per_row)
+    prompts, lengths = measure.random_prompts(target.vocab_size, rows, args.prompt_length,
+                                              args.seed)
   estimate = measure.estimate_alpha(
       target, draft, prompts, lengths, tokens_per_row=args.tokens_per_row,
       sampling=_sampling(args), seed=args.seed, batch_size=args.batch_size, bins=args.bins,
-      max_lag=args.max_lag)
+      max_lag=args.max_lag, eos_id=job.eos_id)
   s = estimate.summary
-  print(f'target {args.target}\ndraft  {args.draft}\nsampling'
+  print(f'target {job.target_name}\ndraft  {job.draft_name}\nsampling'
         f' {report.describe_sampling(_sampling(args))}')
   print(f'α (Corollary 3.6) = {s.alpha:.4f} ± {s.stderr:.4f} (i.i.d. standard error),'
         f' DLK = {s.dlk:.4f}, over {s.num_positions} target-generated tokens')
@@ -245,7 +285,8 @@ def _alpha(args) -> int:
 
 def _cost(args) -> int:
   from speclm.analysis import measure
-  target, draft = report.model_from_spec(args.target), report.model_from_spec(args.draft)
+  job = _Job(args)
+  target, draft = job.target, job.draft
   costs = measure.measure_costs(target, draft, gamma=args.gamma, batch_size=args.batch_size,
                                 context_length=args.context_length, num_steps=args.num_steps,
                                 repeats=args.repeats,
@@ -267,13 +308,14 @@ def _cost(args) -> int:
 
 
 def _report(args) -> int:
-  target, draft = report.model_from_spec(args.target), report.model_from_spec(args.draft)
+  job = _Job(args)
+  prompts = None if job.prompts is None else (job.prompts, job.prompt_lengths)
   result = report.run_report(
-      target, draft, name=args.name or args.draft, gamma=args.gamma, sampling=_sampling(args),
-      alpha_tokens=args.num_tokens, tokens_per_row=args.tokens_per_row,
+      job.target, job.draft, name=args.name or job.draft_name, gamma=args.gamma,
+      sampling=_sampling(args), alpha_tokens=args.num_tokens, tokens_per_row=args.tokens_per_row,
       batch_size=args.batch_size, prompt_length=args.prompt_length,
       max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, bins=args.bins,
-      max_lag=args.max_lag)
+      max_lag=args.max_lag, prompts=prompts, eos_id=job.eos_id)
   table = report.report_markdown([result.row])
   print(table)
   speed, costs = result.speed, result.costs
@@ -296,6 +338,10 @@ def _report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  # --gin.NAME=VALUE -> --gin_bindings=NAME = VALUE, as the runner (and T5X) accept it.
+  argv = [f'--gin_bindings={a[6:].split("=", 1)[0]} = {a[6:].split("=", 1)[1]}'
+          if a.startswith('--gin.') and '=' in a else a for a in argv]
   args = build_parser().parse_args(argv)
   try:
     return {'theory': _theory, 'alpha': _alpha, 'cost': _cost, 'report': _report}[

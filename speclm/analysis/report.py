@@ -261,25 +261,33 @@ def run_report(target: protocol.Model, draft: protocol.Model, *, name: str, gamm
                sampling: sampling_lib.SamplingConfig, alpha_tokens: int = 10_000,
                tokens_per_row: int = 128, batch_size: int = 8, prompt_length: int = 8,
                max_new_tokens: int = 128, repeats: int = 3, seed: int = 0, bins: int = 20,
-               max_lag: int = 10) -> RunReport:
+               max_lag: int = 10, prompts: tuple[np.ndarray, np.ndarray] | None = None,
+               eos_id: int | None = None) -> RunReport:
   """Measures α (Cor. 3.6), c, r and the real speedup for one (target, draft, γ, sampling).
 
-  α uses ceil(alpha_tokens / tokens_per_row) random prompts; the speedup is timed on one batch
-  of `batch_size` random prompts (seeded differently) and `max_new_tokens` new tokens per row;
-  c and r are timed at the same batch size, after prompt_length + max_new_tokens/2 positions
-  (a typical mid-generation context).
+  Without `prompts`, α uses ceil(alpha_tokens / tokens_per_row) random prompts and the speedup
+  is timed on one batch of `batch_size` random prompts (seeded differently). With `prompts`
+  (tokens `[N, P]`, lengths `[N]`, e.g. a gin job's dataset), α uses all of them and the
+  speedup their first `batch_size`. Each row gets `max_new_tokens` new tokens; c and r are timed
+  at the same batch size, after prompt_length + max_new_tokens/2 positions (a typical
+  mid-generation context).
   """
-  rows = math.ceil(alpha_tokens / tokens_per_row)
-  prompts, lengths = measure.random_prompts(target.vocab_size, rows, prompt_length, seed)
-  alpha = measure.estimate_alpha(target, draft, prompts, lengths, tokens_per_row=tokens_per_row,
+  if prompts is None:
+    rows = math.ceil(alpha_tokens / tokens_per_row)
+    alpha_prompts = measure.random_prompts(target.vocab_size, rows, prompt_length, seed)
+    speed_prompts = measure.random_prompts(target.vocab_size, batch_size, prompt_length,
+                                           seed + 1)
+  else:
+    alpha_prompts = prompts
+    speed_prompts = tuple(np.asarray(x)[:batch_size] for x in prompts)
+    prompt_length = int(np.max(prompts[1]))
+  alpha = measure.estimate_alpha(target, draft, *alpha_prompts, tokens_per_row=tokens_per_row,
                                  sampling=sampling, seed=seed, batch_size=batch_size, bins=bins,
-                                 max_lag=max_lag)
+                                 max_lag=max_lag, eos_id=eos_id)
   costs = measure.measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
                                 context_length=prompt_length + max_new_tokens // 2,
                                 repeats=max(repeats, 3), seed=seed)
-  speed_prompts, speed_lengths = measure.random_prompts(target.vocab_size, batch_size,
-                                                        prompt_length, seed + 1)
-  speed = measure.measure_speedup(target, draft, speed_prompts, speed_lengths, gamma=gamma,
+  speed = measure.measure_speedup(target, draft, *speed_prompts, gamma=gamma,
                                   sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
                                   repeats=repeats)
   row = ReportRow.from_numbers(
