@@ -767,7 +767,9 @@ def summary(metrics: dict[str, Any]) -> str:
     rows += [('alpha (measured)', _fmt(metrics['alpha'])),
              ('tokens / target call', _fmt(metrics['tokens_per_target_call'])),
              ('c (measured)', _fmt(metrics.get('c'))),
-             ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f'))]
+             ('r (measured)', _fmt(metrics.get('r'))),
+             ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f')),
+             ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f'))]
   if 'speedup' in metrics:
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
              ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]
