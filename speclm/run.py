@@ -164,12 +164,9 @@ def _required_message(names: Sequence[str]) -> str:
 
 
 def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
-              gin_search_paths: Sequence[str] = (), not_needed: Sequence[str] = ()) -> None:
-  """Parses files then bindings (later ones win) and checks no required setting is left unset.
-
-  `not_needed` names required settings the caller will not use (e.g. OUTPUT_DIR for a tool
-  that only loads the job's models).
-  """
+              gin_search_paths: Sequence[str] = ()) -> None:
+  """Parses files then bindings (later ones win) and checks no required setting is left unset."""
+  gin.clear_config()  # a fresh configuration each time (tools and tests parse more than once)
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
   # Gin logs an error for every search-path entry that lacks a file, even when a later entry
@@ -182,7 +179,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
     raise JobError(_explain_gin_error(e)) from None
   finally:
     std_logging.disable(std_logging.NOTSET)
-  missing = [name for name in unset_required() if name not in not_needed]
+  missing = unset_required()
   if missing:
     raise JobError(_required_message(missing))
   gin.finalize()
@@ -790,6 +787,7 @@ def job_parts(target: Any = gin.REQUIRED, draft: Any = None, vocabulary: Any = N
 
 
 _JOB_PARTS_BINDINGS = (
+    'OUTPUT_DIR = None',  # a tool that only loads the job's parts writes no outputs
     'job_parts.target = %TARGET', 'job_parts.draft = %DRAFT',
     'job_parts.vocabulary = %VOCABULARY', 'job_parts.dataset = %DATASET',
     'job_parts.max_input_length = %MAX_INPUT_LENGTH')
@@ -803,8 +801,7 @@ def load_job(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
   Returns a dict with 'target', 'draft' (`protocol.Model`s), 'prompts' `[N, P]`,
   'prompt_lengths' `[N]` (right-padded token ids) and 'eos_id'.
   """
-  parse_gin(gin_files, list(gin_bindings) + list(_JOB_PARTS_BINDINGS), gin_search_paths,
-            not_needed=('OUTPUT_DIR',))
+  parse_gin(gin_files, list(gin_bindings) + list(_JOB_PARTS_BINDINGS), gin_search_paths)
   target, draft, vocabulary, dataset, max_input_length = job_parts()  # pylint: disable=no-value-for-parameter
   vocabulary = as_vocabulary(_provide(vocabulary, 'Loading the vocabulary'))
   examples = list(_provide(dataset, 'Reading the dataset'))

@@ -337,3 +337,19 @@ def test_cli_alpha_on_random_specs(tmp_path, capsys):
   summary = json.loads(out_json.read_text())
   assert 0.0 <= summary['alpha'] <= 1.0 and summary['num_positions'] == 352
   assert (tmp_path / 'beta_histogram.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_cli_alpha_on_a_gin_job(tmp_path, capsys):
+  """`--gin_file` takes the runner job's TARGET, DRAFT and its dataset as the prompts."""
+  out_json = tmp_path / 'alpha.json'
+  assert cli.main(['alpha', '--gin_file=test_tiny.gin', '--gin.synthetic_dataset.num_examples=4',
+                   '--tokens_per_row=8', '--batch_size=4', '--max_lag=2',
+                   f'--json={out_json}']) == 0
+  out = capsys.readouterr().out
+  assert 'TARGET of test_tiny.gin' in out and 'over 32 target-generated tokens' in out
+  assert 0.0 <= json.loads(out_json.read_text())['alpha'] <= 1.0
+
+
+def test_cli_gin_job_errors_are_one_line(capsys):
+  assert cli.main(['alpha', '--gin_file=test_tiny.gin', '--gin.NO_SUCH.thing=1']) == 2
+  assert 'Unknown gin binding' in capsys.readouterr().err
