@@ -54,6 +54,9 @@ _LR = flags.DEFINE_float('learning_rate', 5e-4, 'Peak AdamW learning rate.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed for sampling, shuffling and evaluation.')
 _EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16, 'Held-out prompts for α.')
 _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ used when measuring α.')
+_INIT_FROM = flags.DEFINE_string('init_from', None,
+                                 'Continue from a saved draft file (same layers and subset)'
+                                 ' instead of copying target layers.')
 _STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'train'], 'What to run.')
 
 
@@ -89,8 +92,22 @@ def generate(target, tok, work_dir: str) -> None:
       np.savez(tmp, tokens=padded, lengths=np.array([len(s) for s in seqs], np.int32),
                prompt_lengths=np.array([len(r) for r in rows[:len(batch)]], np.int32))
       os.replace(tmp, shard)
+      seconds = time.time() - start
+      _add_generation_seconds(work_dir, seconds)
       logging.info('generated %s batch %d/%d in %.1fs (%d reply tokens)', kind, index + 1,
-                   len(batches), time.time() - start, int(sum(map(len, replies))))
+                   len(batches), seconds, int(sum(map(len, replies))))
+
+
+def _add_generation_seconds(work_dir: str, seconds: float) -> None:
+  path = os.path.join(work_dir, 'generation_seconds.txt')
+  total = float(open(path).read()) if os.path.exists(path) else 0.0
+  with open(path, 'w') as f:
+    f.write(f'{total + seconds:.1f}')
+
+
+def generation_seconds(work_dir: str) -> float:
+  path = os.path.join(work_dir, 'generation_seconds.txt')
+  return float(open(path).read()) if os.path.exists(path) else float('nan')
 
 
 def load_data(work_dir: str):
@@ -183,7 +200,17 @@ def train(target, seqs, prompt_lengths, subset_ids, layers):
   warmup = min(100, steps // 10 + 1)
   schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(steps, warmup + 1))
   optimizer = optax.adamw(schedule, weight_decay=0.01)
-  trained = initial_params(target, layers)
+  earlier = dict(earlier_steps=0, earlier_train_seconds=0.0)
+  if _INIT_FROM.value:
+    trained, saved_subset, saved = smollm2_draft.read(_INIT_FROM.value)
+    earlier = dict(earlier_steps=saved['steps'] + saved.get('earlier_steps', 0),
+                   earlier_train_seconds=saved['train_seconds'] + saved.get(
+                       'earlier_train_seconds', 0.0))
+    if not np.array_equal(saved_subset, subset_ids):
+      raise ValueError(f'{_INIT_FROM.value} was trained with another token subset.')
+    trained = jax.tree_util.tree_map(jnp.asarray, trained)
+  else:
+    trained = initial_params(target, layers)
   opt_state = optimizer.init(trained)
 
   @jax.jit
@@ -202,7 +229,8 @@ def train(target, seqs, prompt_lengths, subset_ids, layers):
     if i % 20 == 0 or i == steps - 1:
       logging.info('step %d/%d loss %.3f argmax accuracy %.3f (%.0fs)', i + 1, steps,
                    float(loss), float(acc), time.time() - start)
-  return trained, dict(steps=steps, batch_size=_BATCH.value, train_seconds=time.time() - start,
+  return trained, dict(**earlier, steps=steps, batch_size=_BATCH.value,
+                       train_seconds=time.time() - start,
                        reply_tokens_per_epoch=int(tokens_per_epoch), final_loss=float(loss),
                        final_argmax_accuracy=float(acc))
 
@@ -241,9 +269,9 @@ A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the tar
 | vocabulary | SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the rest), embeddings borrowed from the target at load time |
 | target | {m['target']} |
 | data | SmolLM2's replies to {m['training_prompts']} built-in training prompts, once greedy and once sampled at temperature 1, up to {m['max_new_tokens']} tokens each: {m['sequences']} sequences, {m['reply_tokens_per_epoch']:,} reply tokens |
-| training | {m['steps']} steps of AdamW (peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs), next-token cross-entropy on reply tokens; final loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
+| training | {m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run: peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs), next-token cross-entropy on reply tokens; final batch loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
 | seed | {m['seed']} |
-| wall time | generation {m['generation_seconds'] / 60:.1f} min (0 if reused), training {m['train_seconds'] / 60:.1f} min, on 2 CPU cores |
+| wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on 2 shared CPU cores |
 
 ## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, 64 new tokens)
 
@@ -263,13 +291,12 @@ temperature 0 on the held-out prompts is at least the figure above minus 0.05.
 
 def main(argv):
   del argv
-  start = time.time()
   target, tok = smollm2.load()
   if _STAGE.value in ('all', 'generate'):
     generate(target, tok, _WORK_DIR.value)
   if _STAGE.value == 'generate':
     return
-  gen_seconds = time.time() - start
+  gen_seconds = generation_seconds(_WORK_DIR.value)
   seqs, prompt_lengths = load_data(_WORK_DIR.value)
   subset_ids = choose_subset(seqs, prompt_lengths, _SUBSET.value, tok.eos_id)
   layers = [int(x) for x in _INIT_LAYERS.value]
