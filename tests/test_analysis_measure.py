@@ -18,6 +18,7 @@ import speclm
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
+from speclm import testing
 from speclm.analysis import __main__ as cli
 from speclm.analysis import measure
 from speclm.analysis import report
@@ -255,24 +256,9 @@ def test_loop_alpha_matches_corollary_3_6_on_the_same_greedy_text(llama_pair):
      at most (positions in one set but not the other) / (positions): the stated tolerance.
   """
   target, draft, prompts, lengths = llama_pair
-  spec = speclm.speculative_decode(target, draft, prompts, lengths, gamma=GAMMA,
-                                   max_new_tokens=MAX_NEW)
-  reference = measure.generate_reference(target, prompts, lengths,
-                                         tokens_per_row=MAX_NEW + GAMMA,
-                                         sampling=speclm.GREEDY, batch_size=8)
-  np.testing.assert_array_equal(np.asarray(spec.tokens), reference.tokens[:, :MAX_NEW])
-  beta, mask = measure.beta_along(target, draft, reference, sampling=speclm.GREEDY)
-  assert mask.all()
-  assert set(np.unique(beta)) <= {0.0, 1.0}  # one-hot p̃, q̃
-
-  replay = measure.greedy_round_replay(beta, MAX_NEW, GAMMA)
-  stats = spec.stats
-  assert replay.beta_count == int(stats.beta_count)
-  assert replay.beta_sum == pytest.approx(float(stats.beta_sum), abs=1e-4)
-  assert replay.accepted_histogram.tolist() == np.asarray(stats.accepted_histogram).tolist()
-  assert replay.target_calls == int(np.sum(stats.target_calls_per_row))
-  loop_alpha = measure.alpha_from_stats(stats)
-  assert replay.alpha == pytest.approx(loop_alpha, abs=1e-6)
+  replay, beta = testing.check_greedy_replay(target, draft, prompts, lengths, gamma=GAMMA,
+                                             max_new_tokens=MAX_NEW)
+  loop_alpha = replay.alpha
   assert 0.2 < loop_alpha < 0.8  # the perturbed copy gives a moderate α
 
   plain = measure.summarize_beta(beta[:, :MAX_NEW]).alpha

@@ -68,3 +68,34 @@ def chi_square_pvalue(sample_ids: np.ndarray, probs: np.ndarray,
   keep = exp > 0
   exp = exp * (obs[keep].sum() / exp[keep].sum())  # remove float rounding in the totals
   return float(scipy.stats.chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def check_greedy_replay(target, draft, prompts, lengths, *, gamma: int, max_new_tokens: int,
+                        batch_size: int = 8):
+  """Greedy speculative decoding vs Corollary 3.6 along the same text; returns (replay, beta).
+
+  At temperature 0 speculative decoding writes the target's own greedy text, so β computed
+  teacher-forced along it (`speclm.analysis.measure.beta_along`) is β at exactly the prefixes
+  the loop drafted from. Replaying Algorithm 1's rounds on that β must give the loop's β count,
+  β sum, acceptance histogram, target calls and α; this asserts all of them.
+  """
+  import speclm  # pylint: disable=import-outside-toplevel
+  from speclm.analysis import measure  # pylint: disable=import-outside-toplevel
+  spec = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
+                                   max_new_tokens=max_new_tokens)
+  reference = measure.generate_reference(target, prompts, lengths,
+                                         tokens_per_row=max_new_tokens + gamma,
+                                         sampling=speclm.GREEDY, batch_size=batch_size)
+  np.testing.assert_array_equal(np.asarray(spec.tokens), reference.tokens[:, :max_new_tokens])
+  beta, mask = measure.beta_along(target, draft, reference, sampling=speclm.GREEDY,
+                                  batch_size=batch_size)
+  assert mask.all()
+  assert set(np.unique(beta)) <= {0.0, 1.0}  # one-hot p̃, q̃
+  replay = measure.greedy_round_replay(beta, max_new_tokens, gamma)
+  stats = spec.stats
+  assert replay.beta_count == int(stats.beta_count)
+  assert abs(replay.beta_sum - float(stats.beta_sum)) <= 1e-4
+  assert replay.accepted_histogram.tolist() == np.asarray(stats.accepted_histogram).tolist()
+  assert replay.target_calls == int(np.sum(stats.target_calls_per_row))
+  assert abs(replay.alpha - measure.alpha_from_stats(stats)) <= 1e-6
+  return replay, beta
