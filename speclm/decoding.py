@@ -156,6 +156,7 @@ def autoregressive_decode(
     eos_id: int | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
+    partitioner=None,
 ) -> DecodeResult:
   """Plain sampling from `model`, one target call per token: the baseline.
 
@@ -170,11 +171,15 @@ def autoregressive_decode(
     pad_id: the value written past each row's length in the result.
     cache_length: cache positions per row; by default exactly enough for the prompt and every
       new token. A smaller value stops rows with `StopReason.CACHE_FULL`.
+    partitioner: a `speclm.partitioning.Partitioner` to compile the loop with its mesh and
+      shardings (parameters as `partitioner.shard_model` placed them); None for one device.
   """
   prompts, lengths, limits = _validate_common(model, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
   capacity = _capacity(model.definition, prompts.shape[1], int(limits.max()), 0, cache_length)
-  result = _autoregressive_jit(
+  loop = (_autoregressive_jit if partitioner is None else
+          partitioner.jit_decode_loop(_autoregressive_loop, num_models=1))
+  result = loop(
       model.definition, model.params, prompts, lengths, limits, jax.random.key(seed),
       jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id), sampling=sampling,
       buffer_length=int(limits.max()) + 1, capacity=capacity)
@@ -194,12 +199,14 @@ def speculative_decode(
     eos_id: int | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
+    partitioner=None,
 ) -> DecodeResult:
   """Speculative decoding (Algorithm 1): samples exactly from `target`, γ drafts per round.
 
   Same arguments as `autoregressive_decode`, plus the `draft` model (same vocabulary) and
   `gamma` ≥ 1, the number of tokens the draft proposes per target call. With greedy sampling
-  the output equals `autoregressive_decode(target, …)` token for token.
+  the output equals `autoregressive_decode(target, …)` token for token. With a `partitioner`
+  the draft's parameters follow its draft rules (replicated by default).
   """
   prompts, lengths, limits = _validate_common(target, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
@@ -223,7 +230,9 @@ def speculative_decode(
   max_new = int(limits.max())
   target_capacity = _capacity(target.definition, prompts.shape[1], max_new, gamma, cache_length)
   draft_capacity = _capacity(draft.definition, prompts.shape[1], max_new, gamma, cache_length)
-  result = _speculative_jit(
+  loop = (_speculative_jit if partitioner is None else
+          partitioner.jit_decode_loop(_speculative_loop, num_models=2))
+  result = loop(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
       limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
       jnp.int32(pad_id), gamma=gamma, sampling=sampling, buffer_length=max_new + gamma + 1,
@@ -482,6 +491,8 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
   return _finish(state, pad_id)
 
 
+# `speclm.partitioning.Partitioner.jit_decode_loop` relies on the loops' argument order: the
+# definitions, their parameters, then prompts, lengths, limits, rng, eos_id, pad_id.
 _autoregressive_jit = jax.jit(
     _autoregressive_loop, static_argnums=(0,),
     static_argnames=('sampling', 'buffer_length', 'capacity'))

@@ -302,6 +302,30 @@ class Llama(protocol.LanguageModel):
     expected = jax.eval_shape(self.init_params, jax.random.key(0))
     _check_tree_shapes(expected, params)
 
+  def param_logical_axes(self) -> dict:
+    """Logical axis names of every parameter (a tree like the params, tuples as leaves), for
+    `speclm.partitioning`. Key/value heads share the 'heads' name with query heads."""
+    layer = {
+        'pre_attention_norm': {'scale': ('embed',)},
+        'attention': {'query': {'kernel': ('embed', 'heads', 'kv')},
+                      'key': {'kernel': ('embed', 'heads', 'kv')},
+                      'value': {'kernel': ('embed', 'heads', 'kv')},
+                      'out': {'kernel': ('heads', 'kv', 'embed')}},
+        'pre_mlp_norm': {'scale': ('embed',)},
+        'mlp': {'gate': {'kernel': ('embed', 'mlp')}, 'up': {'kernel': ('embed', 'mlp')},
+                'down': {'kernel': ('mlp', 'embed')}},
+    }
+    axes = {'embedder': {'embedding': ('vocab', 'embed')}, 'final_norm': {'scale': ('embed',)}}
+    axes.update({f'layers_{i}': layer for i in range(self.config.num_layers)})
+    if not self.config.tie_embeddings:
+      axes['lm_head'] = {'kernel': ('embed', 'vocab')}
+    return axes
+
+  def cache_logical_axes(self) -> KVCache:
+    """Logical axis names of the cache's arrays (`[layers, B, L, Nkv, H]` and lengths `[B]`)."""
+    kv = ('layers', 'batch', 'length', 'heads', 'kv')
+    return KVCache(keys=kv, values=kv, lengths=('batch',))
+
 
 def _check_tree_shapes(expected, actual) -> None:
   flat_expected = {jax.tree_util.keystr(k): v for k, v in

@@ -544,6 +544,17 @@ class T5(protocol.LanguageModel):
 
     return layers.unflatten({name: axes(name) for name in flatten_names(self.param_shapes())})
 
+  def param_logical_axes(self) -> dict:
+    """`logical_axes()` under the name `speclm.partitioning` looks for."""
+    return self.logical_axes()
+
+  def cache_logical_axes(self) -> T5Cache:
+    """Logical axis names of the cache's arrays: self- and cross-attention keys/values
+    `[layers, B, L or P, N, H]`, lengths `[B]`."""
+    kv = ('layers', 'batch', 'length', 'heads', 'kv')
+    return T5Cache(keys=kv, values=kv, cross_keys=kv, cross_values=kv,
+                   encoder_lengths=('batch',), lengths=('batch',))
+
   def num_params(self) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.param_shapes()))
 

@@ -1,0 +1,213 @@
+"""Checkpoints read straight into their shards: each device's slice, never the whole model.
+
+`jax.make_array_from_callback(shape, sharding, read)` asks for one index (a tuple of slices)
+per local device; `read` fetches just that region from the file:
+  * T5X legacy checkpoints: zarr arrays through TensorStore (`store[index].read()`), so only
+    the chunks overlapping the slice are fetched and decompressed (local or gs://). Inline
+    msgpack arrays are tiny (T5X keeps only small arrays inline) and are decoded whole.
+  * safetensors: the file is memory-mapped and sliced, so only the slice's bytes are read.
+    Hugging Face Llama weights are `[out, in]`; the slice is mapped through the transpose
+    and head reshape, still reading only the rows and columns the device needs.
+A region replicated on several local devices is read once. With `devices='global'` meshes
+every process reads only the slices of its own devices.
+
+Public functions:
+  load_t5x_sharded(path, definition, partitioner, role='target', read_log=None)
+  load_hf_llama_sharded(directory, partitioner, role='target', dtype='float32', read_log=None)
+  array_from_reader(shape, dtype, sharding, read, name, read_log=None)
+
+`read_log`, when a list, receives (name, shape read) for every read: tests use it to prove no
+read covered more than a device's slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from speclm import protocol
+from speclm.checkpoints import safetensors_io
+from speclm.checkpoints import t5x
+from speclm.models import layers
+
+Index = tuple  # a tuple of slices, one per dimension, as make_array_from_callback passes them
+
+
+def _bounds(index: Index, shape) -> tuple[tuple[int, int], ...]:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def array_from_reader(shape, dtype, sharding: jax.sharding.Sharding,
+                      read: Callable[[Index], np.ndarray], name: str = '',
+                      read_log: list | None = None) -> jax.Array:
+  """A global array whose every local shard comes from `read(index)` (one read per region)."""
+  shape = tuple(int(d) for d in shape)
+  dtype = np.dtype(dtype)
+  cache: dict[Any, np.ndarray] = {}
+
+  def callback(index: Index) -> np.ndarray:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    key = _bounds(index, shape)
+    if key not in cache:
+      index = tuple(slice(a, b) for a, b in key)
+      arr = np.asarray(read(index))
+      want = tuple(b - a for a, b in key)
+      if arr.shape != want:
+        raise t5x.CheckpointError(f'Reading {name}{list(key)} gave shape {arr.shape}, expected'
+                                  f' {want}.')
+      if read_log is not None:
+        read_log.append((name, arr.shape))
+      cache[key] = t5x._cast(arr, dtype)  # pylint: disable=protected-access
+    return cache[key]
+
+  return jax.make_array_from_callback(shape, sharding, callback)
+
+
+# ----------------------------------------------------------------------------------------------
+# T5X legacy checkpoints (msgpack + zarr through TensorStore)
+
+
+def _open_zarr(spec: dict, base_dir: str, name: str, source: str):
+  """A TensorStore handle on the zarr array `spec` points at (relative to `base_dir`)."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  rel = t5x._relative_path(spec)  # pylint: disable=protected-access
+  if rel.startswith('gs://') or os.path.isabs(rel):
+    where = rel
+  else:
+    where = t5x._join(base_dir, rel)  # pylint: disable=protected-access
+  if not t5x._is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):  # pylint: disable=protected-access
+    return None  # no .zarray (copied without hidden files): read whole with the numpy reader
+  try:
+    return ts.open({'driver': 'zarr', 'kvstore': t5x._kvstore_spec(where)},  # pylint: disable=protected-access
+                   open=True, read=True).result()
+  except Exception as e:  # pylint: disable=broad-except
+    raise t5x.CheckpointError(f'Cannot open zarr array {name} at {where}: {e}') from e
+
+
+def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str = 'target',
+                     read_log: list | None = None) -> dict:
+  """A legacy T5X checkpoint's parameters for the T5 `definition`, placed in the shards the
+  `partitioner` gives them (by `definition.param_logical_axes()`), each device reading only
+  its slice. Names and shapes are checked before any array is read; values are cast to the
+  config's `param_dtype`.
+  """
+  expected = definition.param_shapes()
+  msgpack_path, base_dir = t5x._checkpoint_file(os.fspath(path))  # pylint: disable=protected-access
+  state = t5x._parse_msgpack(t5x._read_bytes(msgpack_path), msgpack_path)  # pylint: disable=protected-access
+  flat = t5x._flatten(t5x._target(state, msgpack_path))  # pylint: disable=protected-access
+  flat_expected = t5x._flatten_mapping(expected)  # pylint: disable=protected-access
+  t5x._check_names(flat_expected, flat, msgpack_path)  # pylint: disable=protected-access
+  shardings = t5x._flatten_mapping(  # pylint: disable=protected-access
+      partitioner.param_shardings(definition, expected, role))
+  out = {}
+  for name, leaf in flat.items():
+    want = flat_expected[name]
+    if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
+      t5x._check_shape(name, t5x._spec_shape(leaf, name, msgpack_path), want.shape,  # pylint: disable=protected-access
+                       msgpack_path)
+      store = _open_zarr(leaf, base_dir, name, msgpack_path)
+      if store is None:
+        whole = t5x._read_zarr(leaf, base_dir, name, msgpack_path)  # pylint: disable=protected-access
+        read = lambda index, whole=whole: whole[index]
+      else:
+        read = lambda index, store=store: store[index].read().result()
+    else:
+      whole = t5x._decode_leaf(leaf, name, msgpack_path)  # pylint: disable=protected-access
+      t5x._check_shape(name, whole.shape, want.shape, msgpack_path)  # pylint: disable=protected-access
+      read = lambda index, whole=whole: whole[index]
+    out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
+  return layers.unflatten(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face Llama (safetensors)
+
+
+def _hf_readers(config, files: dict[str, safetensors_io.SafetensorsFile]
+                ) -> dict[str, tuple[tuple[int, ...], Callable[[Index], np.ndarray]]]:
+  """Our parameter name -> (shape, read(index)) over HF's `[out, in]` tensors."""
+  c = config
+  d, n, nkv, h, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+
+  def tensor(name, shape):
+    if name not in files:
+      raise ValueError(f'The checkpoint lacks {name!r}.')
+    got = files[name].shape(name)
+    if tuple(got) != tuple(shape):
+      raise ValueError(f'{name!r} has shape {tuple(got)}, the config expects {tuple(shape)}.')
+    return files[name][name]  # a memory-mapped view: nothing is read yet
+
+  def same(name, shape):
+    return shape, lambda index: tensor(name, shape)[index]
+
+  def transposed(name, shape):  # ours [in, out] = HF [out, in].T
+    return shape[::-1], lambda index: tensor(name, shape)[index[::-1]].T
+
+  def heads_in(name, heads):  # ours [D, heads, H] from HF [heads*H, D]
+    def read(index):
+      sd, sn, sh = index
+      rows = tensor(name, (heads * h, d))[sn.start * h:sn.stop * h, sd]  # [n*H, d]
+      return rows.reshape(sn.stop - sn.start, h, -1)[:, sh, :].transpose(2, 0, 1)
+    return (d, heads, h), read
+
+  def heads_out(name):  # ours [N, H, D] from HF [D, N*H]
+    def read(index):
+      sn, sh, sd = index
+      cols = tensor(name, (d, n * h))[sd, sn.start * h:sn.stop * h]  # [d, n*H]
+      return cols.reshape(-1, sn.stop - sn.start, h)[:, :, sh].transpose(1, 2, 0)
+    return (n, h, d), read
+
+  readers = {'embedder/embedding': same('model.embed_tokens.weight', (c.vocab_size, d)),
+             'final_norm/scale': same('model.norm.weight', (d,))}
+  if not c.tie_embeddings:
+    readers['lm_head/kernel'] = transposed('lm_head.weight', (c.vocab_size, d))
+  for i in range(c.num_layers):
+    p, q = f'model.layers.{i}.', f'layers_{i}/'
+    readers.update({
+        q + 'pre_attention_norm/scale': same(p + 'input_layernorm.weight', (d,)),
+        q + 'attention/query/kernel': heads_in(p + 'self_attn.q_proj.weight', n),
+        q + 'attention/key/kernel': heads_in(p + 'self_attn.k_proj.weight', nkv),
+        q + 'attention/value/kernel': heads_in(p + 'self_attn.v_proj.weight', nkv),
+        q + 'attention/out/kernel': heads_out(p + 'self_attn.o_proj.weight'),
+        q + 'pre_mlp_norm/scale': same(p + 'post_attention_layernorm.weight', (d,)),
+        q + 'mlp/gate/kernel': transposed(p + 'mlp.gate_proj.weight', (f, d)),
+        q + 'mlp/up/kernel': transposed(p + 'mlp.up_proj.weight', (f, d)),
+        q + 'mlp/down/kernel': transposed(p + 'mlp.down_proj.weight', (d, f)),
+    })
+  return readers
+
+
+def load_hf_llama_sharded(directory: str | os.PathLike, partitioner, role: str = 'target',
+                          dtype: str = 'float32', read_log: list | None = None
+                          ) -> protocol.Model:
+  """A Hugging Face Llama directory as a `Model` whose parameters are read shard by shard."""
+  from speclm.checkpoints import hf_llama  # pylint: disable=g-import-not-at-top
+  from speclm.models import llama  # pylint: disable=g-import-not-at-top
+  directory = os.fspath(directory)
+  config = hf_llama.config_from_hf(hf_llama.read_config(directory), dtype=dtype)
+  paths = sorted(p for p in os.listdir(directory) if p.endswith('.safetensors'))
+  if not paths:
+    raise FileNotFoundError(f'No *.safetensors files in {directory!r}.')
+  files: dict[str, safetensors_io.SafetensorsFile] = {}
+  for path in paths:
+    handle = safetensors_io.SafetensorsFile(os.path.join(directory, path))
+    files.update({name: handle for name in handle})
+  if not config.tie_embeddings and 'lm_head.weight' not in files:
+    config = dataclasses.replace(config, tie_embeddings=True)
+  definition = llama.Llama(config)
+  expected = jax.eval_shape(definition.init_params, jax.random.key(0))
+  shardings = t5x._flatten_mapping(  # pylint: disable=protected-access
+      partitioner.param_shardings(definition, expected, role))
+  flat_expected = t5x._flatten_mapping(expected)  # pylint: disable=protected-access
+  readers = _hf_readers(config, files)
+  out = {}
+  for name, want in flat_expected.items():
+    shape, read = readers[name]
+    if tuple(shape) != tuple(want.shape):
+      raise ValueError(f'{name}: checkpoint shape {shape}, config expects {want.shape}.')
+    out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
+  return protocol.Model(definition, layers.unflatten(out))
