@@ -106,15 +106,15 @@ def replicated_logical_axis_rules() -> Rules:
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None,
-                           enabled: bool = True) -> None:
+                           enabled: bool = False) -> None:
   """`jax.distributed.initialize(...)` when `enabled` (once per process, before any JAX work).
 
-  On Cloud TPU every argument can stay None (JAX discovers the slice). On CPU (tests) give a
-  coordinator 'host:port', the number of processes and this process's id.
+  The runner calls this at start-up; gin turns it on:
+    partitioning.initialize_distributed.enabled = True
+  On Cloud TPU nothing else is needed (JAX discovers the slice's hosts). On CPU (tests) also
+  give a coordinator 'host:port', the number of processes and this process's id.
   """
-  if not enabled:
-    return
-  if jax.process_count() > 1 or _distributed_initialized():
+  if not enabled or _distributed_initialized():
     return
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)

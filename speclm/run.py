@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
+import json
 import logging as std_logging
 import math
 import os
@@ -48,6 +50,7 @@ import numpy as np
 
 from speclm import decoding
 from speclm import outputs as outputs_lib
+from speclm import partitioning
 from speclm import progress as progress_lib
 from speclm import protocol
 from speclm import sampling as sampling_lib
@@ -211,7 +214,8 @@ def gamma_for_temperature(temperature: float = gin.REQUIRED, at_0: int = gin.REQ
 @gin.configurable
 def random_llama(vocab_size: int = 259, embed_dim: int = 32, num_layers: int = 2,
                  num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0,
-                 dtype: str = 'float32') -> protocol.Model:
+                 dtype: str = 'float32', partitioner=None, role: str = 'target'
+                 ) -> protocol.Model:
   """A Llama with random weights (tests, smoke runs). Models made with the same seed share the
   weights of the layers they have in common, so a 1-layer draft of a 2-layer target agrees
   with it more often than an unrelated model."""
@@ -222,7 +226,8 @@ def random_llama(vocab_size: int = 259, embed_dim: int = 32, num_layers: int = 2
   definition = llama.Llama(config)
   # One compiled initializer per definition: eager Flax init dispatches every op one by one,
   # which costs seconds per model on a busy CPU.
-  return protocol.Model(definition, _jit_init(definition, jax.random.key(seed)))
+  model = protocol.Model(definition, _jit_init(definition, jax.random.key(seed)))
+  return model if partitioner is None else partitioner.shard_model(model, role)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -249,16 +254,34 @@ def checkpoint_model(path: str = gin.REQUIRED,
 
 @gin.configurable
 def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.REQUIRED,
-                        dtype: str | None = None) -> protocol.Model:
+                        dtype: str | None = None, partitioner=None,
+                        role: str = 'target') -> protocol.Model:
   """A T5 (`speclm.models.t5`) restored from a T5X or Hugging Face checkpoint.
 
   `config` is a `T5Config`, e.g. the macro `%T5_1_1_XXL` of configs/models/t5_1_1/xxl.gin;
   scope the provider per model (`target/t5_checkpoint_model.config = %T5_1_1_XXL`) so the target
   and the draft can differ. `dtype` (e.g. 'bfloat16') overrides the config's dtypes.
+  With the job's `partitioner` (run_job passes it), a legacy T5X checkpoint is read straight
+  into its shards (each device reads its slice); other formats are read, then sharded.
   """
   _check_path(checkpoint_path, 'checkpoint')
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from speclm.checkpoints import t5x  # pylint: disable=g-import-not-at-top
   from speclm.models import t5  # pylint: disable=g-import-not-at-top
-  return t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
+  if partitioner is not None and not os.path.isfile(os.path.join(checkpoint_path, 'config.json')
+                                                    ) and not t5x.is_orbax_checkpoint(
+                                                        checkpoint_path):
+    from speclm.checkpoints import sharded  # pylint: disable=g-import-not-at-top
+    if dtype is not None:
+      config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
+    definition = t5.T5(config)
+    try:
+      params = sharded.load_t5x_sharded(checkpoint_path, definition, partitioner, role)
+    except t5x.CheckpointError as e:
+      raise JobError(str(e)) from None
+    return protocol.Model(definition, params)
+  model = t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
+  return model if partitioner is None else partitioner.shard_model(model, role)
 
 
 @gin.configurable
@@ -338,10 +361,24 @@ def as_vocabulary(obj: Any) -> vocab_lib.Vocabulary:
                                       pad_id=getattr(obj, 'pad_id', None) or 0)
 
 
-def _provide(provider: Any, what: str, expected: type | None = None):
-  """Calls a provider (or passes a ready object through), turning user errors into JobError."""
+def _accepted_kwargs(provider: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """The entries of `kwargs` that `provider` takes as parameters (e.g. `partitioner`)."""
+  if not kwargs:
+    return {}
   try:
-    value = provider() if callable(provider) and not (
+    params = inspect.signature(provider).parameters
+  except (TypeError, ValueError):
+    return {}
+  return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _provide(provider: Any, what: str, expected: type | None = None, **kwargs):
+  """Calls a provider (or passes a ready object through), turning user errors into JobError.
+
+  `kwargs` (e.g. the job's partitioner and the model's role) go to providers that accept them.
+  """
+  try:
+    value = provider(**_accepted_kwargs(provider, kwargs)) if callable(provider) and not (
         expected is not None and isinstance(provider, expected)) else provider
   except JobError as e:
     raise JobError(f'{what}: {e.message}') from None
@@ -370,9 +407,9 @@ def _first_paragraph(error: Exception) -> str:
 
 
 def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
-            max_new_tokens, seed, eos_id, pad_id) -> decoding.DecodeResult:
+            max_new_tokens, seed, eos_id, pad_id, partitioner=None) -> decoding.DecodeResult:
   common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
-                pad_id=pad_id)
+                pad_id=pad_id, partitioner=partitioner)
   if method == 'speculative':
     result = decoding.speculative_decode(target, draft, batch.tokens, batch.lengths,
                                          gamma=gamma, **common)
@@ -453,6 +490,7 @@ def run_job(*,
             measure_cost: bool = True,
             reference_metrics: Sequence[str] = ('bleu', 'rouge'),
             show_progress: bool = True,
+            partitioner: Any = None,
             progress_stream=None) -> dict[str, Any]:
   """Decodes a dataset and writes predictions and metrics to `output_dir`; returns the metrics.
 
@@ -478,6 +516,13 @@ def run_job(*,
     reference_metrics: 'bleu' (sacrebleu) and/or 'rouge' (rouge-score), computed when the
       examples have references and the package is installed.
     show_progress: print a progress bar with rate and ETA.
+    partitioner: a `speclm.partitioning.Partitioner` (or a provider of one, e.g.
+      `@partitioning.Partitioner()`): models are sharded over its mesh (the draft by its draft
+      rules) and decoded with its shardings. None: one device.
+
+  Several processes (after `partitioning.initialize_distributed`): process p decodes the
+  examples at positions p, p + P, p + 2P, … into `output_dir/process_<p>/`; after a barrier
+  process 0 merges every part into `output_dir/predictions.jsonl` and writes the report.
   """
   job_start = time.perf_counter()
   if mode not in MODES:
@@ -498,9 +543,13 @@ def run_job(*,
     raise JobError(f'The largest length bucket ({buckets[-1]}) is below max_input_length'
                    f' ({max_input_length}); add a bucket of at least that width.')
 
+  process_index, process_count = jax.process_index(), jax.process_count()
+  job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
+                                                                _process_dir(process_index))
+
   # 1. Everything cheap first: output directory, vocabulary, dataset.
   try:
-    out = outputs_lib.OutputDir(output_dir)
+    out = outputs_lib.OutputDir(job_dir)
   except outputs_lib.OutputError as e:
     raise JobError(str(e)) from None
   try:
@@ -509,6 +558,8 @@ def run_job(*,
     examples = list(_provide(dataset, 'Reading the dataset'))
     if max_examples is not None:
       examples = examples[:max_examples]
+    if process_count > 1:  # this process's share; process 0 merges the parts
+      examples = examples[process_index::process_count]
     if not examples:
       raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
                      ' format and filters (file_dataset.path, seqio_dataset.split,'
@@ -523,10 +574,18 @@ def run_job(*,
     except (outputs_lib.OutputError, inputs_lib.DataError) as e:
       raise JobError(str(e)) from None
 
-    # 2. Models.
-    target_model = _provide(target, 'Loading the target model', protocol.Model)
-    draft_model = (_provide(draft, 'Loading the draft model', protocol.Model)
+    # 2. Models (placed in their shards when a partitioner is set).
+    if partitioner is not None:
+      partitioner = _provide(partitioner, 'Building the device mesh', partitioning.Partitioner)
+    target_model = _provide(target, 'Loading the target model', protocol.Model,
+                            partitioner=partitioner, role='target')
+    draft_model = (_provide(draft, 'Loading the draft model', protocol.Model,
+                            partitioner=partitioner, role='draft')
                    if 'speculative' in methods else None)
+    if partitioner is not None:
+      target_model = _ensure_sharded(partitioner, target_model, 'target')
+      draft_model = (None if draft_model is None
+                     else _ensure_sharded(partitioner, draft_model, 'draft'))
     if vocabulary.vocab_size > target_model.vocab_size:
       raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
                      f' only {target_model.vocab_size}; they do not belong together.')
@@ -555,7 +614,8 @@ def run_job(*,
       records, batch_compile_s = _decode_batch(
           batch, methods, target_model, draft_model, vocabulary, warmed,
           exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
-          max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index)
+          max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
+          partitioner=partitioner)
       compile_s += batch_compile_s
       out.append(records)
       bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
@@ -573,12 +633,62 @@ def run_job(*,
                       'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
                       'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
                       'decoded_this_run': len(pending), 'resumed_from': len(done),
-                      'output_dir': output_dir}
+                      'output_dir': job_dir, 'process_index': process_index,
+                      'process_count': process_count}
+    if partitioner is not None:
+      metrics['job']['mesh'] = partitioner.mesh_shape
     outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
     outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
   finally:
     out.close()
+  if process_count > 1:
+    metrics = _merge_processes(output_dir, process_index, process_count, metrics, mode=mode,
+                               gamma=gamma, sampling=sampling,
+                               reference_metrics=reference_metrics)
   print(summary(metrics))
+  return metrics
+
+
+def _process_dir(process_index: int) -> str:
+  return f'process_{process_index:03d}'
+
+
+def _ensure_sharded(partitioner, model: protocol.Model, role: str) -> protocol.Model:
+  """The model with parameters on the partitioner's mesh (providers that took the
+  partitioner already placed them; others are sharded here from their host copy)."""
+  leaves = jax.tree.leaves(model.params)
+  mesh = partitioner.mesh
+  if all(isinstance(x, jax.Array) and getattr(x.sharding, 'mesh', None) == mesh
+         for x in leaves):
+    return model
+  return partitioner.shard_model(model, role)
+
+
+def _merge_processes(output_dir: str, process_index: int, process_count: int,
+                     metrics: dict[str, Any], **report_kwargs) -> dict[str, Any]:
+  """Barrier, then process 0 merges every process's predictions and writes the report."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  multihost_utils.sync_global_devices('speclm.run: every process has written its part')
+  if process_index == 0:
+    records, seen = [], set()
+    for p in range(process_count):
+      path = os.path.join(output_dir, _process_dir(p), outputs_lib.PREDICTIONS)
+      for record in outputs_lib.read_predictions(path):
+        if record['index'] in seen:
+          raise JobError(f'Example {record["index"]} was decoded by two processes; the'
+                         f' process directories under {output_dir} belong to different jobs.')
+        seen.add(record['index'])
+        records.append(record)
+    records.sort(key=lambda r: r['index'])
+    outputs_lib.write_atomic(os.path.join(output_dir, outputs_lib.PREDICTIONS),
+                             ''.join(json.dumps(r, ensure_ascii=False, allow_nan=True) + '\n'
+                                     for r in records))
+    merged = compute_metrics(records, cost=metrics.get('cost_measurement'), **report_kwargs)
+    merged['job'] = dict(metrics['job'], output_dir=output_dir, process_index=0,
+                         merged_from=[_process_dir(p) for p in range(process_count)])
+    outputs_lib.write_json_atomic(os.path.join(output_dir, outputs_lib.METRICS), merged)
+    metrics = merged
+  multihost_utils.sync_global_devices('speclm.run: the report is written')
   return metrics
 
 
@@ -891,6 +1001,7 @@ def main(argv: Sequence[str]) -> None:
       raise JobError('No gin file given. Run e.g. python -m speclm.run'
                      ' --gin_file=test_tiny.gin --gin.OUTPUT_DIR="\'/tmp/out\'".')
     parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
+    partitioning.initialize_distributed()  # only when gin enables it; before any JAX work
     if _sweep_requested():
       run_sweep()  # pylint: disable=no-value-for-parameter
     else:

@@ -203,3 +203,63 @@ def test_checkpoints_load_straight_into_shards():
   if 'fixture_equal' in got:  # the shared real T5X checkpoint
     assert got['fixture_equal']
     assert got['fixture_embedding'] == [[32128, 8], [8032, 8]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Two processes (jax.distributed on localhost, 4 CPU devices each)
+
+
+def _free_port() -> int:
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
+  """`python -m speclm.run` in 2 processes: each decodes its share on a 2x2 mesh of its own
+  4 devices; process 0 merges, and the report has every example exactly once."""
+  port = _free_port()
+  env = dict(os.environ)
+  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
+             PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''))
+  out = tmp_path / 'job'
+  procs = []
+  for process_id in range(2):
+    args = [sys.executable, '-m', 'speclm.run', '--gin_file=test_tiny.gin',
+            '--gin_file=runs/sharded.gin', '--gin.NUM_PARTITIONS=2', '--gin.MULTI_HOST=True',
+            f"--gin.partitioning.initialize_distributed.coordinator_address='localhost:{port}'",
+            '--gin.partitioning.initialize_distributed.num_processes=2',
+            f'--gin.partitioning.initialize_distributed.process_id={process_id}',
+            '--gin.synthetic_dataset.num_examples=13',  # uneven: 7 and 6 examples
+            '--gin.run_job.measure_cost=False', '--gin.run_job.show_progress=False',
+            f"--gin.OUTPUT_DIR='{out}'"]
+    procs.append(subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for proc in procs:
+      logs.append(proc.communicate(timeout=600)[0])
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-4000:]
+
+  from speclm import outputs  # pylint: disable=g-import-not-at-top
+  parts = [outputs.read_predictions(str(out / f'process_{p:03d}' / 'predictions.jsonl'))
+           for p in range(2)]
+  assert sorted(r['index'] for r in parts[0]) == list(range(0, 13, 2))
+  assert sorted(r['index'] for r in parts[1]) == list(range(1, 13, 2))
+  merged = outputs.read_predictions(str(out / 'predictions.jsonl'))
+  indices = [r['index'] for r in merged]
+  assert sorted(indices) == list(range(13)) and len(set(indices)) == 13  # each exactly once
+  assert all(r['identical'] for r in merged)  # greedy: speculative == baseline, sharded
+  metrics = json.loads((out / 'metrics.json').read_text())
+  assert metrics['num_examples'] == 13 and metrics['num_decoded'] == 13
+  assert metrics['identical_output_rate'] == 1.0
+  assert metrics['job']['process_count'] == 2 and metrics['job']['mesh'] == {'data': 2,
+                                                                             'model': 2}
+  assert len(metrics['job']['merged_from']) == 2
