@@ -285,6 +285,10 @@ class Partitioner:
     """A host value (the same on every process) as a global array: each device gets its slice."""
     if isinstance(value, jax.Array) and value.sharding == sharding:
       return value
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype,
+                                                              jax.dtypes.prng_key):
+      data = self.put(np.asarray(jax.random.key_data(value)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -391,7 +395,7 @@ class Partitioner:
                                   in_shardings=in_shardings, out_shardings=self.replicated)
       wrapped = tuple(self.sharded_definition(d, r) for d, r in zip(definitions, roles))
       placed = tuple(self.put(a, self.batch_sharding(np.shape(a))) for a in arrays[:3])
-      placed += tuple(jax.device_put(a, self.replicated) for a in arrays[3:])
+      placed += tuple(self.put(a, self.replicated) for a in arrays[3:])
       return self._jits[key](*wrapped, *params, *placed)
 
     return call

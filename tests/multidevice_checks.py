@@ -207,8 +207,32 @@ def _read_summary(log, arrays):
           'num_split_arrays': len(split), 'max_fraction_any': worst_fraction}
 
 
-CHECKS = {'decode': check_decode, 'checkpoints': check_checkpoints}
+def check_global(port, process_id):
+  """One 2x4 mesh over two processes' devices (4 each): sharded speculative decoding on the
+  same prompts in every process, against this process's single-device result."""
+  partitioning.initialize_distributed(coordinator_address=f'localhost:{port}', num_processes=2,
+                                      process_id=int(process_id), enabled=True)
+  prompts, lengths = _prompts()
+  target, draft = _models('llama')
+  ref = decoding.speculative_decode(target, draft, prompts, lengths, gamma=GAMMA,
+                                    max_new_tokens=MAX_NEW)
+  partitioner = partitioning.Partitioner(num_partitions=4, devices='global')
+  result = decoding.speculative_decode(
+      partitioner.shard_model(target), partitioner.shard_model(draft, 'draft'), prompts,
+      lengths, gamma=GAMMA, max_new_tokens=MAX_NEW, partitioner=partitioner)
+  tokens = np.asarray(result.tokens.addressable_data(0))  # replicated: the whole result
+  lens = np.asarray(result.lengths.addressable_data(0))
+  got = [tokens[b, :lens[b]].tolist() for b in range(BATCH)]
+  return {'process_count': jax.process_count(), 'devices': jax.device_count(),
+          'local_devices': jax.local_device_count(), 'mesh': partitioner.mesh_shape,
+          'same_tokens': got == ref.to_lists()}
+
+
+CHECKS = {'decode': check_decode, 'checkpoints': check_checkpoints, 'global': check_global}
 
 if __name__ == '__main__':
+  if sys.argv[1] == 'global':
+    print('RESULT ' + json.dumps({'global': check_global(*sys.argv[2:4])}), flush=True)
+    sys.exit(0)
   for check in sys.argv[1:]:
     print('RESULT ' + json.dumps({check: CHECKS[check]()}), flush=True)

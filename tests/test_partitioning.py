@@ -263,3 +263,31 @@ def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
   assert metrics['job']['process_count'] == 2 and metrics['job']['mesh'] == {'data': 2,
                                                                              'model': 2}
   assert len(metrics['job']['merged_from']) == 2
+
+
+@pytest.mark.slow
+def test_one_mesh_across_two_processes_decodes_like_one_device():
+  """devices='global': a 2x4 mesh over both processes' devices (GSPMD collectives cross the
+  process boundary over gloo); the replicated result equals one device's in each process."""
+  port = _free_port()
+  env = dict(os.environ)
+  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
+             PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''))
+  script = os.path.join(REPO, 'tests', 'multidevice_checks.py')
+  procs = [subprocess.Popen([sys.executable, script, 'global', str(port), str(p)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for p in range(2)]
+  logs = []
+  try:
+    for proc in procs:
+      logs.append(proc.communicate(timeout=600)[0])
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-4000:]
+    line = [l for l in log.splitlines() if l.startswith('RESULT ')][-1]
+    got = json.loads(line[len('RESULT '):])['global']
+    assert got == {'process_count': 2, 'devices': 8, 'local_devices': 4,
+                   'mesh': {'data': 2, 'model': 4}, 'same_tokens': True}
