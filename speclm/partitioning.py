@@ -242,6 +242,11 @@ class Partitioner:
   # -- shardings -------------------------------------------------------------------------------
 
   @property
+  def is_local(self) -> bool:
+    """Whether every device of the mesh belongs to this process."""
+    return all(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+
+  @property
   def mesh_shape(self) -> dict[str, int]:
     return dict(self.mesh.shape)
 

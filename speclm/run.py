@@ -577,6 +577,11 @@ def run_job(*,
     # 2. Models (placed in their shards when a partitioner is set).
     if partitioner is not None:
       partitioner = _provide(partitioner, 'Building the device mesh', partitioning.Partitioner)
+      if process_count > 1 and not partitioner.is_local:
+        raise JobError(
+            'partitioning.Partitioner.devices is global, but each process decodes its own'
+            ' share of the dataset; a mesh over several processes needs the same batches on'
+            " every process. Use devices = 'local' (one model replica per host).")
     target_model = _provide(target, 'Loading the target model', protocol.Model,
                             partitioner=partitioner, role='target')
     draft_model = (_provide(draft, 'Loading the draft model', protocol.Model,
