@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -467,10 +466,3 @@ class ShardedDefinition(protocol.LanguageModel):
 def bytes_per_device(shapes_and_specs: Mapping[str, dict[str, Any]], itemsize: int) -> int:
   """Bytes one device holds for `Partitioner.describe()`'s output at `itemsize` bytes/value."""
   return sum(math.prod(v['shard_shape']) * itemsize for v in shapes_and_specs.values())
-
-
-def log_layout(partitioner: Partitioner, model: protocol.Model, role: str) -> None:
-  layout = partitioner.describe(model.definition, model.params, role)
-  split = sum(1 for v in layout.values() if v['shard_shape'] != v['shape'])
-  logging.info('%s: %d of %d parameters split over %s', role, split, len(layout),
-               partitioner.mesh_shape)

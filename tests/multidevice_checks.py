@@ -21,7 +21,6 @@ sys.path.insert(0, REPO)
 
 from speclm import decoding  # pylint: disable=wrong-import-position
 from speclm import partitioning  # pylint: disable=wrong-import-position
-from speclm import protocol  # pylint: disable=wrong-import-position
 from speclm.models import llama  # pylint: disable=wrong-import-position
 from speclm.models import t5  # pylint: disable=wrong-import-position
 
