@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from speclm import sampling
+from speclm import testing
 
 
 def reference_standardize(logits: np.ndarray, temperature: float, top_k: int,
@@ -106,6 +107,27 @@ def test_sample_never_draws_zero_probability_tokens():
   assert set(np.unique(draws)) == {1, 3}
   one_hot = np.eye(4, dtype=np.float32)[[2] * 50]
   assert np.all(np.asarray(sampling.sample(jax.random.key(1), one_hot)) == 2)
+
+
+def test_sample_matches_the_distribution_across_blocks():
+  """The two-level inverse-CDF sampler against exact probabilities, over a vocabulary that
+  spans several blocks and is not a multiple of the block size, with empty blocks and
+  unnormalized rows (chi-square goodness of fit)."""
+  rng = np.random.default_rng(0)
+  vocab = 1000
+  probs = rng.gamma(0.3, size=vocab).astype(np.float32)
+  probs[300:600] = 0.0  # a whole empty block and parts of two others
+  probs[999] = 0.0  # the last id, in the padded last block
+  rows = np.tile(probs * 7.0, (20_000, 1))  # row sums of 7, not 1
+  draws = np.asarray(sampling.sample(jax.random.key(3), rows))
+  assert np.all(probs[draws] > 0)
+  assert testing.chi_square_pvalue(draws, probs) > 1e-3
+
+
+def test_sample_with_mass_in_one_tiny_entry_of_the_last_block():
+  probs = np.zeros((64, 49_152), np.float32)
+  probs[:, 49_151] = 1e-30  # the only positive entry; cumulative sums round hard around it
+  assert np.all(np.asarray(sampling.sample(jax.random.key(4), probs)) == 49_151)
 
 
 @pytest.mark.parametrize('kwargs,message', [

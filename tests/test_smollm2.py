@@ -66,12 +66,17 @@ def test_missing_package_tells_the_setup_command(monkeypatch):
 
 def test_config_read_from_metadata(smol):
   model, _ = smol
+  # The file ties the head to the embeddings; load_model stores the head untied for speed.
+  from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
+  assert gguf.config_from_gguf(smollm2._open()).tie_embeddings
   assert model.definition.config == llama.LlamaConfig(
       vocab_size=49152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3, head_dim=64,
       mlp_dim=1536, rope_theta=100_000.0, norm_eps=model.definition.config.norm_eps,
-      tie_embeddings=True)
+      tie_embeddings=False)
   assert abs(model.definition.config.norm_eps - 1e-5) < 1e-10
-  num_params = sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params))
+  table = model.params['embedder']['embedding']
+  np.testing.assert_array_equal(model.params['lm_head']['kernel'], np.asarray(table).T)
+  num_params = sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params)) - table.size
   assert 134_000_000 < num_params < 135_000_000
 
 

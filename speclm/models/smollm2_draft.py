@@ -59,7 +59,7 @@ def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
                                         inner_params)
   inner = protocol.Model(llama.Llama(config), inner_params)
   inner.definition.validate_params(inner.params)
-  return subset_vocab.wrap(inner, subset_ids, target.vocab_size)
+  return subset_vocab.wrap(llama.untie_head(inner), subset_ids, target.vocab_size)
 
 
 def save(path: str, trained: dict[str, Any], subset_ids, metadata: dict[str, Any]) -> None:
