@@ -6,12 +6,15 @@ Sequence-level distillation, all on CPU:
      target's argmax (what α at temperature 0 rewards); sampled replies are draws from p, so
      cross-entropy on them is, in expectation, cross-entropy against p itself (temperature 1).
      Batches are saved as they finish, so an interrupted run resumes.
-  2. train: a draft of a few layers of SmolLM2's width, initialised from the target's own
+  2. label: the target's temperature-1 distribution at every position of those sequences,
+     kept as its top `--label_top_k` tokens (soft labels for distillation; resumable too).
+  3. train: a draft of a few layers of SmolLM2's width, initialised from the target's own
      layers `--init_layers`, whose head covers the `--subset_size` most frequent reply tokens
      (speclm.models.subset_vocab). Token embeddings are the target's, frozen; the layers,
-     final norm and the "other" embedding are trained with AdamW on next-token cross-entropy
-     over the replies.
-  3. evaluate: α at temperature 0 and 1 on held-out prompts (topics absent from training),
+     final norm and the "other" embedding are trained with AdamW on a mix of cross-entropy
+     against the target's soft labels (weight `--soft_weight`) and next-token cross-entropy on
+     the replies' own tokens.
+  4. evaluate: α at temperature 0 and 1 on held-out prompts (topics absent from training),
      measured by speculative decoding's own β statistics; writes the safetensors file and
      MODEL_CARD.md.
 
@@ -57,7 +60,12 @@ _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ used when measuring α.')
 _INIT_FROM = flags.DEFINE_string('init_from', None,
                                  'Continue from a saved draft file (same layers and subset)'
                                  ' instead of copying target layers.')
-_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'train'], 'What to run.')
+_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'label', 'train'],
+                           'What to run (each stage also runs the ones before it, except'
+                           ' train, which expects generate and label done).')
+_TOP_K = flags.DEFINE_integer('label_top_k', 32, 'Target tokens kept per position as soft labels.')
+_SOFT_WEIGHT = flags.DEFINE_float('soft_weight', 0.7,
+                                  'Weight of the soft-label loss (the rest is hard-label CE).')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,6 +106,36 @@ def generate(target, tok, work_dir: str) -> None:
                    len(batches), seconds, int(sum(map(len, replies))))
 
 
+def label(target, work_dir: str) -> None:
+  """Writes `label_{shard}.npz`: the target's top-k next-token probabilities (temperature 1)
+  at every position of each generated shard, float16 probabilities and int32 ids `[N, T, k]`."""
+  forward = jax.jit(lambda params, tokens: _top_k_probs(target, params, tokens, _TOP_K.value))
+  for shard in sorted(glob.glob(os.path.join(work_dir, 'gen_*.npz'))):
+    out = shard.replace('gen_', 'label_')
+    if os.path.exists(out):
+      continue
+    start = time.time()
+    with np.load(shard) as data:
+      tokens = data['tokens']
+    width = -(-tokens.shape[1] // 32) * 32  # few distinct shapes -> few compiles
+    tokens = np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])])
+    probs, ids = [], []
+    for i in range(0, len(tokens), 8):
+      p, t = forward(target.params, jnp.asarray(tokens[i:i + 8]))
+      probs.append(np.asarray(p, np.float16))
+      ids.append(np.asarray(t, np.int32))
+    tmp = out + '.tmp.npz'
+    np.savez(tmp, probs=np.concatenate(probs), ids=np.concatenate(ids))
+    os.replace(tmp, out)
+    logging.info('labelled %s in %.1fs', os.path.basename(shard), time.time() - start)
+
+
+def _top_k_probs(target, params, tokens, k: int):
+  logits = target.definition.forward(params, tokens)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jax.lax.top_k(probs, k)
+
+
 def _add_generation_seconds(work_dir: str, seconds: float) -> None:
   path = os.path.join(work_dir, 'generation_seconds.txt')
   total = float(open(path).read()) if os.path.exists(path) else 0.0
@@ -114,13 +152,18 @@ def load_data(work_dir: str):
   shards = sorted(glob.glob(os.path.join(work_dir, 'gen_*.npz')))
   if not shards:
     raise FileNotFoundError(f'No generated data in {work_dir}; run --stage=generate first.')
-  seqs, prompt_lengths = [], []
+  seqs, prompt_lengths, soft = [], [], []
   for shard in shards:
-    with np.load(shard) as data:
-      for row, n, p in zip(data['tokens'], data['lengths'], data['prompt_lengths']):
+    labels = shard.replace('gen_', 'label_')
+    if not os.path.exists(labels):
+      raise FileNotFoundError(f'{labels} is missing; run --stage=label first.')
+    with np.load(shard) as data, np.load(labels) as soft_labels:
+      for row, n, p, probs, ids in zip(data['tokens'], data['lengths'], data['prompt_lengths'],
+                                       soft_labels['probs'], soft_labels['ids']):
         seqs.append(row[:n])
         prompt_lengths.append(int(p))
-  return seqs, prompt_lengths
+        soft.append((probs[:n], ids[:n]))
+  return seqs, prompt_lengths, soft
 
 
 def choose_subset(seqs, prompt_lengths, size: int, eos_id: int) -> np.ndarray:
@@ -156,8 +199,10 @@ def initial_params(target, layers) -> dict:
   return trained
 
 
-def make_batches(seqs, prompt_lengths, to_subset, batch_size, rng):
-  """Yields (inputs, labels, loss mask) `[B, T]` in the draft's subset ids, forever."""
+def make_batches(seqs, prompt_lengths, soft, to_subset, batch_size, rng):
+  """Yields (inputs, labels, loss mask) `[B, T]` in the draft's subset ids and soft labels
+  (probabilities, subset ids) `[B, T, k]`, forever."""
+  top_k = soft[0][0].shape[-1]
   order = np.arange(len(seqs))
   while True:
     rng.shuffle(order)
@@ -168,28 +213,36 @@ def make_batches(seqs, prompt_lengths, to_subset, batch_size, rng):
       inputs = np.zeros((batch_size, width), np.int32)
       labels = np.zeros((batch_size, width), np.int32)
       mask = np.zeros((batch_size, width), np.float32)
+      soft_probs = np.zeros((batch_size, width, top_k), np.float32)
+      soft_ids = np.zeros((batch_size, width, top_k), np.int32)
       for b, i in enumerate(picked):
         s = to_subset[seqs[i]]
         inputs[b, :len(s)] = s
         labels[b, :len(s) - 1] = s[1:]
         mask[b, prompt_lengths[i] - 1:len(s) - 1] = 1.0  # positions predicting reply tokens
-      yield inputs, labels, mask
+        probs, ids = soft[i]
+        soft_probs[b, :len(s)] = probs
+        soft_ids[b, :len(s)] = to_subset[ids]  # tokens outside the subset -> "other"
+      yield inputs, labels, mask, soft_probs, soft_ids
 
 
-def train(target, seqs, prompt_lengths, subset_ids, layers):
+def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   num_layers = len(layers)
   config = smollm2_draft.draft_config(target.definition.config, num_layers, len(subset_ids))
   definition = llama.Llama(config)
   maps = subset_vocab.subset_maps(subset_ids, target.vocab_size)
   frozen_rows = jnp.take(target.params['embedder']['embedding'], jnp.asarray(subset_ids), axis=0)
 
-  def loss_fn(trained, inputs, labels, mask):
+  def loss_fn(trained, inputs, labels, mask, soft_probs, soft_ids):
     params = {k: v for k, v in trained.items() if k != 'other_embedding'}
     params['embedder'] = {'embedding': jnp.concatenate(
         [frozen_rows, trained['other_embedding'][None]], axis=0)}
     logits = definition.forward(params, inputs)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    # Distillation: cross-entropy against the target's own distribution (its top k tokens).
+    soft_nll = -jnp.sum(soft_probs * jnp.take_along_axis(log_probs, soft_ids, axis=-1), axis=-1)
+    nll = _SOFT_WEIGHT.value * soft_nll + (1 - _SOFT_WEIGHT.value) * nll
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     total = jnp.maximum(mask.sum(), 1.0)
     return (nll * mask).sum() / total, (correct * mask).sum() / total
@@ -214,14 +267,14 @@ def train(target, seqs, prompt_lengths, subset_ids, layers):
   opt_state = optimizer.init(trained)
 
   @jax.jit
-  def step(trained, opt_state, inputs, labels, mask):
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, inputs, labels, mask)
+  def step(trained, opt_state, *batch):
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, *batch)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss, acc
 
   logging.info('training %d steps (%d sequences, %d reply tokens per epoch)', steps, len(seqs),
                tokens_per_epoch)
-  batches = make_batches(seqs, prompt_lengths, maps['to_subset'], _BATCH.value,
+  batches = make_batches(seqs, prompt_lengths, soft, maps['to_subset'], _BATCH.value,
                          np.random.RandomState(_SEED.value))
   start = time.time()
   for i in range(steps):
@@ -296,11 +349,15 @@ def main(argv):
     generate(target, tok, _WORK_DIR.value)
   if _STAGE.value == 'generate':
     return
+  if _STAGE.value in ('all', 'label'):
+    label(target, _WORK_DIR.value)
+  if _STAGE.value == 'label':
+    return
   gen_seconds = generation_seconds(_WORK_DIR.value)
-  seqs, prompt_lengths = load_data(_WORK_DIR.value)
+  seqs, prompt_lengths, soft = load_data(_WORK_DIR.value)
   subset_ids = choose_subset(seqs, prompt_lengths, _SUBSET.value, tok.eos_id)
   layers = [int(x) for x in _INIT_LAYERS.value]
-  trained, train_info = train(target, seqs, prompt_lengths, subset_ids, layers)
+  trained, train_info = train(target, seqs, prompt_lengths, soft, subset_ids, layers)
 
   draft = smollm2_draft.assemble(target, trained, subset_ids, len(layers))
   eval_prompts = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
@@ -313,6 +370,7 @@ def main(argv):
       embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
       training_prompts=_NUM_PROMPTS.value, max_new_tokens=_MAX_NEW.value,
       sequences=len(seqs), learning_rate=_LR.value, epochs=_EPOCHS.value,
+      label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value,
       generation_seconds=round(gen_seconds, 1), **train_info, gamma=_GAMMA.value,
       heldout=dict(prompts=len(eval_prompts), **alphas), demo=demo_alphas)
   path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)

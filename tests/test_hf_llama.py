@@ -156,3 +156,20 @@ def test_tokenizer_from_directory(tmp_path):
   assert tok.encode_chat(messages) == reference.encode(rendered, add_special_tokens=False)
   tokens, lengths = tok.batch(['the cat', 'a draft proposes and the target verifies'])
   assert tokens.shape == (2, int(lengths.max())) and np.all(tokens[0, lengths[0]:] == 2)
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_export_to_transformers_round_trips(tmp_path, case):
+  """HF -> ours -> HF: the exported `LlamaForCausalLM` has the original's weights and logits."""
+  original = _save_random_hf_llama(tmp_path, **CASES[case])
+  ours = hf_llama.load_model(tmp_path)
+  exported = hf_llama.to_transformers(ours)
+  assert exported.config.tie_word_embeddings == original.config.tie_word_embeddings
+  state = exported.state_dict()
+  for name, value in original.state_dict().items():
+    if name.endswith('rotary_emb.inv_freq'):
+      continue
+    np.testing.assert_array_equal(state[name].numpy(), value.numpy(), err_msg=name)
+  tokens = np.array([[1, 5, 9, 33, 2, 96, 40, 7]])
+  np.testing.assert_allclose(_hf_logits(exported, tokens), _hf_logits(original, tokens),
+                             atol=1e-6)

@@ -15,6 +15,9 @@ Name mapping (HF weights are `[out, in]`; our kernels `[in, out]`):
   model.layers.{i}.mlp.{gate,up,down}_proj  -> layers_{i}/mlp/{gate,up,down}/kernel
   model.norm.weight                         -> final_norm/scale
   lm_head.weight                            -> lm_head/kernel (absent when tied)
+
+`params_to_hf` / `config_to_hf` / `to_transformers` go the other way, for comparisons with
+Hugging Face `generate()` (scripts/benchmark.py).
 """
 
 from __future__ import annotations
@@ -208,6 +211,78 @@ def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig)
   if extra:
     raise ValueError(f'The checkpoint has weights a Llama model does not use: {extra[:5]}.')
   return params
+
+
+def config_to_hf(config: llama.LlamaConfig) -> dict[str, Any]:
+  """The `config.json` dictionary of a HF `LlamaForCausalLM` equal to `config` (the inverse
+  of `config_from_hf`)."""
+  c = config
+  hf: dict[str, Any] = dict(
+      architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=c.vocab_size,
+      num_hidden_layers=c.num_layers, hidden_size=c.embed_dim, num_attention_heads=c.num_heads,
+      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.mlp_dim,
+      hidden_act='silu', rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+      attention_bias=False, mlp_bias=False, rope_theta=c.rope_theta)
+  if c.rope_scaling is not None:
+    r = c.rope_scaling
+    hf['rope_scaling'] = (
+        {'rope_type': 'linear', 'factor': r.factor} if r.kind == 'linear' else
+        {'rope_type': 'llama3', 'factor': r.factor, 'low_freq_factor': r.low_freq_factor,
+         'high_freq_factor': r.high_freq_factor,
+         'original_max_position_embeddings': r.original_max_position})
+  return hf
+
+
+def params_to_hf(params: Mapping[str, Any], config: llama.LlamaConfig) -> dict[str, np.ndarray]:
+  """Our parameter tree -> HF Llama weights (float32, `LlamaForCausalLM.state_dict()` names);
+  the inverse of `params_from_hf`."""
+  c = config
+  d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
+
+  def hf(x, shape):  # our [in, ...] kernel -> HF [out, in]
+    return np.ascontiguousarray(np.asarray(x, np.float32).reshape(shape).T)
+
+  out = {'model.embed_tokens.weight': np.asarray(params['embedder']['embedding'], np.float32),
+         'model.norm.weight': np.asarray(params['final_norm']['scale'], np.float32)}
+  if not c.tie_embeddings:
+    out['lm_head.weight'] = hf(params['lm_head']['kernel'], (d, c.vocab_size))
+  for i in range(c.num_layers):
+    p, layer = f'model.layers.{i}.', params[f'layers_{i}']
+    attention, mlp = layer['attention'], layer['mlp']
+    out.update({
+        p + 'input_layernorm.weight': np.asarray(layer['pre_attention_norm']['scale'],
+                                                 np.float32),
+        p + 'self_attn.q_proj.weight': hf(attention['query']['kernel'], (d, n * h)),
+        p + 'self_attn.k_proj.weight': hf(attention['key']['kernel'], (d, nkv * h)),
+        p + 'self_attn.v_proj.weight': hf(attention['value']['kernel'], (d, nkv * h)),
+        p + 'self_attn.o_proj.weight': hf(attention['out']['kernel'], (n * h, d)),
+        p + 'post_attention_layernorm.weight': np.asarray(layer['pre_mlp_norm']['scale'],
+                                                          np.float32),
+        p + 'mlp.gate_proj.weight': hf(mlp['gate']['kernel'], (d, c.mlp_dim)),
+        p + 'mlp.up_proj.weight': hf(mlp['up']['kernel'], (d, c.mlp_dim)),
+        p + 'mlp.down_proj.weight': hf(mlp['down']['kernel'], (c.mlp_dim, d)),
+    })
+  return out
+
+
+def to_transformers(model: protocol.Model):
+  """A float32 `transformers.LlamaForCausalLM` (eval mode) with this Llama's weights.
+
+  For side-by-side comparisons with Hugging Face `generate()`; needs the `hf` extra.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  config = model.definition.config
+  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_to_hf(config)))
+  weights = {k: torch.from_numpy(np.array(v)) for k, v in params_to_hf(model.params, config).items()}
+  missing, unexpected = hf_model.load_state_dict(weights, strict=False)
+  missing = [k for k in missing if not (config.tie_embeddings and k == 'lm_head.weight')]
+  if missing or unexpected:
+    raise ValueError(f'Weights do not fit LlamaForCausalLM: missing {missing[:5]},'
+                     f' unexpected {unexpected[:5]}.')
+  if config.tie_embeddings:
+    hf_model.tie_weights()
+  return hf_model.float().eval()
 
 
 def read_config(directory: str | os.PathLike) -> dict:
