@@ -173,3 +173,22 @@ def test_export_to_transformers_round_trips(tmp_path, case):
   tokens = np.array([[1, 5, 9, 33, 2, 96, 40, 7]])
   np.testing.assert_allclose(_hf_logits(exported, tokens), _hf_logits(original, tokens),
                              atol=1e-6)
+
+
+@pytest.mark.parametrize('tie', [True, False])
+def test_subset_draft_exports_with_the_same_logits(tie):
+  """A subset-vocabulary draft as a HF model: equal logits on the subset, −inf elsewhere,
+  with input ids both inside and outside the subset."""
+  from speclm.models import subset_vocab  # pylint: disable=import-outside-toplevel
+  subset = np.array([0, 3, 4, 9, 20, 21, 50, 96])
+  inner = llama.random_model(vocab_size=len(subset) + 1, embed_dim=32, num_layers=2, seed=3,
+                             tie_embeddings=tie)
+  draft = subset_vocab.wrap(inner if tie else llama.untie_head(inner), subset, 97)
+  exported = hf_llama.subset_draft_to_transformers(draft)
+  tokens = np.array([[0, 5, 9, 33, 96, 2, 21, 7]])  # 5, 33, 2 and 7 are outside the subset
+  cache = draft.definition.init_cache(1, tokens.shape[1])
+  ours = np.asarray(draft.definition.extend(draft.params, jnp.asarray(tokens), cache)[0])
+  theirs = _hf_logits(exported, tokens)
+  assert np.array_equal(np.isfinite(ours), np.isfinite(theirs))
+  assert np.isfinite(theirs[..., subset]).all() and np.isneginf(np.delete(theirs, subset, -1)).all()
+  np.testing.assert_allclose(theirs[..., subset], ours[..., subset], atol=1e-5)

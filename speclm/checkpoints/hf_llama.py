@@ -265,15 +265,17 @@ def params_to_hf(params: Mapping[str, Any], config: llama.LlamaConfig) -> dict[s
   return out
 
 
-def to_transformers(model: protocol.Model):
+def to_transformers(model: protocol.Model, model_class=None):
   """A float32 `transformers.LlamaForCausalLM` (eval mode) with this Llama's weights.
 
   For side-by-side comparisons with Hugging Face `generate()`; needs the `hf` extra.
+  `model_class` may name a subclass of `LlamaForCausalLM` to build instead.
   """
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   config = model.definition.config
-  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_to_hf(config)))
+  model_class = model_class or transformers.LlamaForCausalLM
+  hf_model = model_class(transformers.LlamaConfig(**config_to_hf(config)))
   weights = {k: torch.from_numpy(np.array(v)) for k, v in params_to_hf(model.params, config).items()}
   missing, unexpected = hf_model.load_state_dict(weights, strict=False)
   missing = [k for k in missing if not (config.tie_embeddings and k == 'lm_head.weight')]
@@ -283,6 +285,48 @@ def to_transformers(model: protocol.Model):
   if config.tie_embeddings:
     hf_model.tie_weights()
   return hf_model.float().eval()
+
+
+def subset_draft_to_transformers(draft: protocol.Model):
+  """A subset-vocabulary draft (`speclm.models.subset_vocab`, inner Llama) as a full-vocabulary
+  HF `LlamaForCausalLM`, e.g. as `generate(assistant_model=…)`.
+
+  Input ids outside the subset embed as the inner model's "other" row, as `SubsetVocabModel`
+  maps them; the head's rows off the subset are zero and masked to −inf by a buffer added to
+  the logits after the forward pass, so the exported model's q̃ is ours.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  inner_config = draft.definition.inner.config
+  inner_params = draft.params['inner']
+  to_subset = np.asarray(draft.params['to_subset'])
+  from_subset = np.asarray(draft.params['from_subset'])
+  vocab = draft.vocab_size
+  inner_embedding = np.asarray(inner_params['embedder']['embedding'], np.float32)
+  inner_head = (inner_embedding.T if inner_config.tie_embeddings else
+                np.asarray(inner_params['lm_head']['kernel'], np.float32))  # [D, S+1]
+  head = np.zeros((inner_config.embed_dim, vocab), np.float32)
+  head[:, from_subset] = inner_head[:, :len(from_subset)]
+  params = {**{k: v for k, v in inner_params.items() if k not in ('embedder', 'lm_head')},
+            'embedder': {'embedding': inner_embedding[to_subset]}, 'lm_head': {'kernel': head}}
+  config = dataclasses.replace(inner_config, vocab_size=vocab, tie_embeddings=False)
+  mask = np.full((vocab,), -np.inf, np.float32)
+  mask[from_subset] = 0.0
+
+  class SubsetHeadLlama(transformers.LlamaForCausalLM):
+    """`LlamaForCausalLM` whose logits are −inf outside the draft's token subset."""
+
+    def __init__(self, hf_config):
+      super().__init__(hf_config)
+      self.register_buffer('logit_mask', torch.from_numpy(mask), persistent=False)
+
+    def forward(self, *args, **kwargs):
+      out = super().forward(*args, **kwargs)
+      out.logits = out.logits + self.logit_mask
+      return out
+
+  return to_transformers(protocol.Model(llama.Llama(config), params),
+                         model_class=SubsetHeadLlama)
 
 
 def read_config(directory: str | os.PathLike) -> dict:
