@@ -52,7 +52,7 @@ def test_extend_k_tokens_equals_single_steps_and_full_forward(model, d):
     steps.append(out)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), chunk, **TOL)
   np.testing.assert_array_equal(chunk_cache.lengths, [9, 9])
-  np.testing.assert_allclose(step_cache.keys[:, :, :9], chunk_cache.keys[:, :, :9], **TOL)
+  np.testing.assert_allclose(step_cache.keys[:, :, :, :9], chunk_cache.keys[:, :, :, :9], **TOL)
 
 
 def test_rows_with_different_prompt_lengths(model, d):

@@ -186,7 +186,7 @@ def test_parameters_are_really_split(decode_results):
   # Caches [layers, B, L, N, H]: batch over 'data', heads over 'model'.
   assert decode_results['t5']['2x4']['cache_keys'] == [[2, 8, 15, 8, 4], [2, 4, 15, 2, 4]]
   assert decode_results['t5']['8x1']['cache_keys'][1] == [2, 1, 15, 8, 4]
-  assert decode_results['llama']['2x4']['cache_keys'][1] == [2, 4, 15, 1, 4]
+  assert decode_results['llama']['2x4']['cache_keys'][1] == [2, 4, 1, 15, 4]
 
 
 def test_checkpoints_load_straight_into_shards():

@@ -78,7 +78,11 @@ class LlamaConfig:
 
 @struct.dataclass
 class KVCache:
-  """Keys and values of every layer, `[layers, B, L, Nkv, H]`, and each row's length `[B]`."""
+  """Keys and values of every layer, `[layers, B, Nkv, L, H]`, and each row's length `[B]`.
+
+  Heads before positions: attention then reads each head's `[L, H]` block as stored, with no
+  transposed copy of the cache per layer and step.
+  """
 
   keys: jax.Array
   values: jax.Array
@@ -86,7 +90,7 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
-    return self.keys.shape[2]
+    return self.keys.shape[3]
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
@@ -131,11 +135,17 @@ class Kernel(nn.Module):
   fan_in: int
   param_dtype: Any
   dtype: Any
+  merge_input_dims: int = 1  # leading kernel dims multiplied as one (x flattened to match)
 
   @nn.compact
   def __call__(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
+    if self.merge_input_dims > 1:
+      # A plain 2-D product on contiguous reshapes (free): XLA then reads the kernel as stored
+      # instead of transposing it on every call.
+      kernel = kernel.reshape((-1,) + self.shape[self.merge_input_dims:])
+      x = x.reshape(x.shape[:x.ndim - self.merge_input_dims] + (-1,))
     return layers.dot(self.spec, x, kernel, self.dtype)
 
 
@@ -144,7 +154,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, keys, values, lengths):
-    """x `[B, K, D]`; keys/values `[B, L, Nkv, H]` of this layer; lengths `[B]` before x."""
+    """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -158,23 +168,23 @@ class Attention(nn.Module):
     # Write the K new entries at each row's own offset (a scatter across rows).
     zero = jnp.zeros((), lengths.dtype)  # index dtypes must agree (also under jax_enable_x64)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
-        cache, new.astype(cache.dtype), (start, zero, zero)))
-    keys = write(keys, k, lengths)
-    values = write(values, v, lengths)
+        cache, new.astype(cache.dtype), (zero, start, zero)))
+    keys = write(keys, jnp.swapaxes(k, 1, 2), lengths)  # new entries as [B, Nkv, K, H]
+    values = write(values, jnp.swapaxes(v, 1, 2), lengths)
 
     # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
-    cache_positions = jnp.arange(keys.shape[1])
+    cache_positions = jnp.arange(keys.shape[2])
     visible = cache_positions[None, None, :] <= positions[:, :, None]  # [B, K, L]
     groups = n // nkv
     q = q.reshape(q.shape[0], q.shape[1], nkv, groups, h)
-    scores = jnp.einsum('BKNGH,BLNH->BNGKL', q, keys.astype(dt),
+    scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
                         preferred_element_type=jnp.float32) / math.sqrt(h)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum('BNGKL,BLNH->BKNGH', weights, values.astype(dt),
+    out = jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
                      preferred_element_type=jnp.float32).astype(dt)
-    out = out.reshape(out.shape[0], out.shape[1], n, h)
-    out = Kernel((n, h, d), 'BKNH,NHD->BKD', n * h, pd, dt, name='out')(out)
+    out = Kernel((n, h, d), 'BKF,FD->BKD', n * h, pd, dt, merge_input_dims=2, name='out')(
+        out.reshape(out.shape[0], out.shape[1], n, h))
     return out, keys, values
 
 
@@ -272,7 +282,7 @@ class Llama(protocol.LanguageModel):
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     c = self.config
-    shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
     return KVCache(keys=jnp.zeros(shape, c.dtype), values=jnp.zeros(shape, c.dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
@@ -322,8 +332,8 @@ class Llama(protocol.LanguageModel):
     return axes
 
   def cache_logical_axes(self) -> KVCache:
-    """Logical axis names of the cache's arrays (`[layers, B, L, Nkv, H]` and lengths `[B]`)."""
-    kv = ('layers', 'batch', 'length', 'heads', 'kv')
+    """Logical axis names of the cache's arrays (`[layers, B, Nkv, L, H]` and lengths `[B]`)."""
+    kv = ('layers', 'batch', 'heads', 'length', 'kv')
     return KVCache(keys=kv, values=kv, lengths=('batch',))
 
 
