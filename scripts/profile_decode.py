@@ -1,0 +1,101 @@
+r"""Where a decode loop spends its time: a JAX profiler trace, summed per XLA operation.
+
+Decodes the demo prompts with SmolLM2-135M (baseline or speculative with the shipped draft)
+once to compile, once under `jax.profiler.trace`, then prints the operations that took the
+most time per target call, e.g. the matrix products ("dot", "ynn_fusion"), copies XLA
+inserted for layouts ("copy_bitcast_fusion"), reductions ("iota_reduce_fusion" is an argmax).
+Map a name to its HLO with `XLA_FLAGS=--xla_dump_to=DIR` (the `*after_optimizations.txt`).
+
+  pip install -e '.[profile]'
+  python scripts/profile_decode.py --mode=speculative --max_new_tokens=64
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+from absl import app
+from absl import flags
+
+import speclm
+from speclm.data import builtin_prompts
+from speclm.models import smollm2
+from speclm.models import smollm2_draft
+
+_MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative'], 'Loop profiled.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
+_BATCH = flags.DEFINE_integer('batch_size', 1, 'Demo prompts decoded together.')
+_GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature.')
+_TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
+_TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
+
+
+def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
+  """Total microseconds and counts per operation name (numeric suffixes merged)."""
+  from xprof.convert import raw_to_tool_data  # pylint: disable=import-outside-toplevel
+  files = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True)
+  if not files:
+    raise FileNotFoundError(f'No trace written under {trace_dir}.')
+  data, _ = raw_to_tool_data.xspace_to_tool_data(files, 'trace_viewer', {})
+  events = json.loads(data if isinstance(data, str) else data.decode())['traceEvents']
+  total, count = collections.Counter(), collections.Counter()
+  for event in events:
+    name = event.get('name', '')
+    # Runtime bookkeeping (thread pools, executors) and Python frames ('$…') are not ops.
+    if event.get('ph') != 'X' or name.startswith(('Thunk', 'Threadpool', 'Slinky', '$', 'end:')):
+      continue
+    name = re.sub(r'\.\d+$', '', name)
+    total[name] += event.get('dur', 0)
+    count[name] += 1
+  return total, count
+
+
+def main(argv):
+  del argv
+  target, tok = smollm2.load()
+  draft = smollm2_draft.load(target) if _MODE.value == 'speculative' else None
+  prompts = (builtin_prompts.demo_prompts() * _BATCH.value)[:_BATCH.value]
+  tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
+  sampling = speclm.SamplingConfig(temperature=_TEMPERATURE.value)
+
+  def decode():
+    kwargs = dict(sampling=sampling, max_new_tokens=_MAX_NEW.value, eos_id=None)
+    if draft is None:
+      result = speclm.autoregressive_decode(target, tokens, lengths, **kwargs)
+    else:
+      result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=_GAMMA.value,
+                                         **kwargs)
+    jax.block_until_ready(result.tokens)
+    return result
+
+  decode()  # compile
+  trace_dir = _TRACE_DIR.value or tempfile.mkdtemp(prefix='speclm_trace_')
+  with jax.profiler.trace(trace_dir):
+    start = time.perf_counter()
+    result = decode()
+    seconds = time.perf_counter() - start
+  calls = int(result.stats.target_calls)
+  total, count = op_times(trace_dir)
+  print(f'{_MODE.value}, batch {_BATCH.value}, T={_TEMPERATURE.value:g}: {seconds:.2f}s for'
+        f' {_MAX_NEW.value} tokens, {calls} target calls, {1e3 * seconds / calls:.1f} ms per call'
+        f' (traced; tracing adds a little); ops sum to'
+        f' {sum(total.values()) / 1e3 / calls:.1f} ms per call (both CPU threads)')
+  print(f'{"ms / call":>10} {"runs / call":>12}  operation')
+  for name, micros in total.most_common(_TOP.value):
+    print(f'{micros / 1e3 / calls:10.2f} {count[name] / calls:12.1f}  {name}')
+  print(f'trace: {trace_dir}')
+  if result.stats.beta_count:
+    print(f'α = {float(result.stats.beta_sum) / float(result.stats.beta_count):.3f}')
+
+
+
+if __name__ == '__main__':
+  app.run(main)
