@@ -388,10 +388,10 @@ def main(argv):
           find(cases, 'speclm speculative', 1, 0.0), find(cases, 'speclm baseline', 1, 0.0)),
       'speculative / baseline, T=1, batch 1': ratio(
           find(cases, 'speclm speculative', 1, 1.0), find(cases, 'speclm baseline', 1, 1.0)),
-      'speculative / baseline, T=0, batch 8': ratio(
+      f'speculative / baseline, T=0, batch {_BATCH.value}': ratio(
           find(cases, 'speclm speculative', _BATCH.value, 0.0),
           find(cases, 'speclm baseline', _BATCH.value, 0.0)),
-      'speculative / baseline, T=1, batch 8': ratio(
+      f'speculative / baseline, T=1, batch {_BATCH.value}': ratio(
           find(cases, 'speclm speculative', _BATCH.value, 1.0),
           find(cases, 'speclm baseline', _BATCH.value, 1.0)),
   }
