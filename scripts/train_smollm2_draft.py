@@ -322,7 +322,7 @@ A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the tar
 | vocabulary | SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the rest), embeddings borrowed from the target at load time |
 | target | {m['target']} |
 | data | SmolLM2's replies to {m['training_prompts']} built-in training prompts, once greedy and once sampled at temperature 1, up to {m['max_new_tokens']} tokens each: {m['sequences']} sequences, {m['reply_tokens_per_epoch']:,} reply tokens |
-| training | {m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run: peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs), next-token cross-entropy on reply tokens; final batch loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
+| training | {m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run: peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs); loss on reply positions: {m.get('soft_weight', 0):g} × cross-entropy against the target's temperature-1 distribution (its top {m.get('label_top_k', 0)} tokens) + {1 - m.get('soft_weight', 0):g} × next-token cross-entropy; final batch loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
 | seed | {m['seed']} |
 | wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on 2 shared CPU cores |
 
