@@ -216,6 +216,21 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _wait_for_all(procs, timeout: int = 600) -> list[str]:
+  """Each process's output once all have exited 0 (any still running is killed on failure)."""
+  logs = []
+  try:
+    for proc in procs:
+      logs.append(proc.communicate(timeout=timeout)[0])
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for proc, log in zip(procs, logs):
+    assert proc.returncode == 0, log[-4000:]
+  return logs
+
+
 @pytest.mark.slow
 def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
   """`python -m speclm.run` in 2 processes: each decodes its share on a 2x2 mesh of its own
@@ -237,16 +252,7 @@ def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
             f"--gin.OUTPUT_DIR='{out}'"]
     procs.append(subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=600)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  for proc, log in zip(procs, logs):
-    assert proc.returncode == 0, log[-4000:]
+  _wait_for_all(procs)
 
   from speclm import outputs  # pylint: disable=g-import-not-at-top
   parts = [outputs.read_predictions(str(out / f'process_{p:03d}' / 'predictions.jsonl'))
@@ -277,16 +283,7 @@ def test_one_mesh_across_two_processes_decodes_like_one_device():
   procs = [subprocess.Popen([sys.executable, script, 'global', str(port), str(p)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for p in range(2)]
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=600)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  for proc, log in zip(procs, logs):
-    assert proc.returncode == 0, log[-4000:]
+  for log in _wait_for_all(procs):
     line = [l for l in log.splitlines() if l.startswith('RESULT ')][-1]
     got = json.loads(line[len('RESULT '):])['global']
     assert got == {'process_count': 2, 'devices': 8, 'local_devices': 4,
