@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
@@ -48,7 +46,6 @@ from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.checkpoints import gguf
 from speclm.data import builtin_prompts
-from speclm.models import llama
 from speclm.models import smollm2
 from speclm.models import smollm2_draft
 
