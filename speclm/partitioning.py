@@ -406,7 +406,7 @@ class Partitioner:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ShardedDefinition(protocol.LanguageModel):
+class ShardedDefinition(protocol.WrappedLanguageModel):
   """A model definition whose caches carry sharding constraints (inside `jax.jit`).
 
   Hashable by identity of the partitioner and equality of the inner definition, so it is a
@@ -443,20 +443,8 @@ class ShardedDefinition(protocol.LanguageModel):
     logits, cache = self.inner.extend(params, tokens, cache)
     return logits, self._constrain(cache)
 
-  def prefix_length(self, input_lengths):
-    return self.inner.prefix_length(input_lengths)
-
   def last_prefix_token(self, inputs, input_lengths):
     return self.inner.last_prefix_token(inputs, input_lengths)
-
-  def cache_lengths(self, cache):
-    return self.inner.cache_lengths(cache)
-
-  def rollback(self, cache, lengths):
-    return self.inner.rollback(cache, lengths)
-
-  def cache_capacity(self, cache):
-    return self.inner.cache_capacity(cache)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -79,6 +79,25 @@ class LanguageModel(abc.ABC):
     del params
 
 
+class WrappedLanguageModel(LanguageModel):
+  """A model that changes some calls of an `inner` model (a field of the subclass) and hands
+  the cache bookkeeping to it unchanged."""
+
+  inner: LanguageModel  # declared again as a field by each (dataclass) subclass
+
+  def prefix_length(self, input_lengths):
+    return self.inner.prefix_length(input_lengths)
+
+  def cache_lengths(self, cache):
+    return self.inner.cache_lengths(cache)
+
+  def rollback(self, cache, lengths):
+    return self.inner.rollback(cache, lengths)
+
+  def cache_capacity(self, cache):
+    return self.inner.cache_capacity(cache)
+
+
 @struct.dataclass
 class Model:
   """A model definition bundled with its parameters; a pytree whose only leaves are params."""

@@ -22,7 +22,7 @@ from speclm import protocol
 
 
 @dataclasses.dataclass(frozen=True)
-class SubsetVocabModel(protocol.LanguageModel):
+class SubsetVocabModel(protocol.WrappedLanguageModel):
   """Wraps `inner` (vocabulary S = subset size + 1) as a model over `full_vocab_size` ids."""
 
   inner: protocol.LanguageModel
@@ -60,20 +60,8 @@ class SubsetVocabModel(protocol.LanguageModel):
     logits, cache = self.inner.extend(params['inner'], self._to_inner(params, tokens), cache)
     return self._to_full(params, logits), cache
 
-  def prefix_length(self, input_lengths):
-    return self.inner.prefix_length(input_lengths)
-
   def last_prefix_token(self, inputs, input_lengths):
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
-
-  def cache_lengths(self, cache):
-    return self.inner.cache_lengths(cache)
-
-  def rollback(self, cache, lengths):
-    return self.inner.rollback(cache, lengths)
-
-  def cache_capacity(self, cache):
-    return self.inner.cache_capacity(cache)
 
 
 def subset_maps(token_ids, full_vocab_size: int) -> dict[str, np.ndarray]:
