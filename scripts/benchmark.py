@@ -51,8 +51,13 @@ from speclm.models import smollm2_draft
 
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Interleaved repetitions of every case.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per row.')
-_GAMMA = flags.DEFINE_integer('gamma', 4, 'Draft tokens per speculative round (ours and HF).')
+_GAMMA = flags.DEFINE_integer('gamma', 3, 'Draft tokens per speculative round at batch 1 (ours and'
+                              ' HF); 3 is the best for the shipped draft on 2 CPU cores'
+                              ' (docs/performance.md).')
 _BATCH = flags.DEFINE_integer('batch_size', 8, 'The larger batch size measured.')
+_BATCH_GAMMA = flags.DEFINE_integer('batch_gamma', 1,
+                                    'γ at --batch_size. A verification call costs more rows'
+                                    ' there, so the best γ is smaller.')
 _THREADS = flags.DEFINE_integer('threads', 2, 'PyTorch CPU threads for Hugging Face.')
 _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
@@ -154,7 +159,7 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None) -> list[Case]
         result = speclm.autoregressive_decode(model, tokens, lengths, **kwargs)
       else:
         result = speclm.speculative_decode(model, draft_model, tokens, lengths,
-                                           gamma=_GAMMA.value, **kwargs)
+                                           gamma=_gamma(batch_size), **kwargs)
       out = np.asarray(result.tokens)
       case_holder[0].stats.append(result.stats)
       return out
@@ -247,6 +252,13 @@ def check_export(draft, hf_draft, tok, prompt) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # Floor, costs, report
+
+
+def _gamma(batch_size: int) -> int:
+  """γ used at this batch size: --gamma at batch 1, --batch_gamma at --batch_size."""
+  if batch_size > 1:
+    return _BATCH_GAMMA.value
+  return _GAMMA.value
 
 
 def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
@@ -373,7 +385,7 @@ def main(argv):
       alphas[(case.batch_size, case.temperature)] = dict(
           alpha=sums / counts, tokens_per_call=_MAX_NEW.value * len(case.stats) / calls)
   context = int(np.mean([len(tok.encode_chat(p)) for p in prompts])) + _MAX_NEW.value // 2
-  costs = {b: measure.measure_costs(target, draft, gamma=_GAMMA.value, batch_size=b,
+  costs = {b: measure.measure_costs(target, draft, gamma=_gamma(b), batch_size=b,
                                     context_length=context)
            for b in (1, _BATCH.value)}
   bandwidth = memory_bandwidth()
@@ -408,12 +420,13 @@ def main(argv):
   predictions = {}
   for (batch_size, temperature), a in alphas.items():
     cost = costs[batch_size]
-    predicted = float(theory.walltime_improvement(a['alpha'], _GAMMA.value, cost.c, cost.r))
+    gamma = _gamma(batch_size)
+    predicted = float(theory.walltime_improvement(a['alpha'], gamma, cost.c, cost.r))
     key = f'speculative / baseline, T={temperature:g}, batch {batch_size}'
     predictions[key] = dict(alpha=a['alpha'], c=cost.c, r=cost.r, predicted=predicted,
                             measured=ratios.get(key),
                             theorem_3_8_r1=float(theory.walltime_improvement(
-                                a['alpha'], _GAMMA.value, cost.c, 1.0)))
+                                a['alpha'], gamma, cost.c, 1.0)))
   ablations = []
   if _ABLATIONS.value:
     for name, after_name, temperature in (
@@ -479,7 +492,8 @@ def render(s: dict) -> str:
       f'- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF) and'
       f' the shipped {s["draft_card"].get("num_layers")}-layer draft'
       f' ({s["draft_card"].get("subset_size")}-token head)',
-      f'- settings: γ = {_GAMMA.value}, {_MAX_NEW.value} new tokens per row (end token ignored),'
+      f'- settings: γ = {_GAMMA.value} at batch 1 and {_gamma(_BATCH.value)} at batch'
+      f' {_BATCH.value}, {_MAX_NEW.value} new tokens per row (end token ignored),'
       f' {_ROUNDS.value} interleaved rounds; batch-1 cases decode demo prompt k in round k;'
       f' batch {_BATCH.value} decodes all {_BATCH.value} demo prompts; Hugging Face runs'
       f' PyTorch on {_THREADS.value} threads, float32, same weights, assisted generation with'
