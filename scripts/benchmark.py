@@ -59,6 +59,9 @@ _BATCH_GAMMA = flags.DEFINE_integer('batch_gamma', 1,
                                     'γ at --batch_size. A verification call costs more rows'
                                     ' there, so the best γ is smaller.')
 _THREADS = flags.DEFINE_integer('threads', 2, 'PyTorch CPU threads for Hugging Face.')
+_CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True,
+                                 'Run our 2-16-row products through speclm.kernels.cpu_matmul'
+                                 ' (llama.pack_for_cpu); the ablation times XLA\'s products.')
 _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
 _OUTPUT = flags.DEFINE_string(
@@ -143,7 +146,8 @@ def _prompt_batch(tok, prompts, width: int):
   return tokens, np.array([len(r) for r in rows], np.int32)
 
 
-def speclm_cases(target, draft, tok, prompts, *, tied_target=None) -> list[Case]:
+def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=None
+                 ) -> list[Case]:
   width = max(len(tok.encode_chat(p)) for p in prompts)
   single = [_prompt_batch(tok, [p], width) for p in prompts]
   batch = _prompt_batch(tok, (prompts * _BATCH.value)[:_BATCH.value], width)
@@ -192,6 +196,15 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None) -> list[Case]
     if tied_target is not None:
       cases.append(make('baseline, tied [V, D] head (before)', 'ablation', 1, GREEDY,
                         tied_target))
+    if xla_models is not None:
+      xla_target, xla_draft = xla_models
+      cases += [
+          make('speculative, XLA products (before)', 'ablation', 1, GREEDY, xla_target,
+               xla_draft),
+          make('baseline, XLA products (before)', 'ablation', _BATCH.value, GREEDY, xla_target),
+          make('speculative, XLA products (before)', 'ablation', _BATCH.value, GREEDY,
+               xla_target, xla_draft),
+      ]
   return cases
 
 
@@ -316,18 +329,23 @@ def main(argv):
   del argv
   started = time.time()
   print('loading SmolLM2-135M-Instruct and its draft …', flush=True)
-  target, tok = smollm2.load()
-  draft = smollm2_draft.load(target)
+  # The plain models (XLA's products) are what Hugging Face export and the byte count read.
+  plain_target, tok = smollm2.load()
+  plain_draft = smollm2_draft.load(plain_target)
+  target = smollm2.load_model(cpu_kernels=_CPU_KERNELS.value)
+  draft = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
   tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
   prompts = builtin_prompts.demo_prompts()
 
-  cases = speclm_cases(target, draft, tok, prompts, tied_target=tied_target)
+  xla_models = (plain_target, plain_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None
+  cases = speclm_cases(target, draft, tok, prompts, tied_target=tied_target,
+                       xla_models=xla_models)
   export_error = None
   if _HF.value:
-    cases += hf_cases(target, draft, tok, prompts)
+    cases += hf_cases(plain_target, plain_draft, tok, prompts)
     from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
-    export_error = check_export(draft, hf_llama.subset_draft_to_transformers(draft), tok,
-                                prompts[0])
+    export_error = check_export(plain_draft, hf_llama.subset_draft_to_transformers(plain_draft),
+                                tok, prompts[0])
     print(f'HF draft export: max |logit difference| {export_error:.2e}', flush=True)
 
   print(f'compiling and warming up {len(cases)} cases …', flush=True)
@@ -361,8 +379,8 @@ def main(argv):
         np.array_equal(a, b) for a, b in zip(base.outputs, spec.outputs))
   for case in cases:
     if case.group == 'ablation' and case.temperature == 0:
-      base = find(cases, 'speclm baseline', 1, 0.0)
-      checks[f'{case.name} = baseline'] = all(
+      base = find(cases, 'speclm baseline', case.batch_size, 0.0)
+      checks[f'{case.name} = baseline, batch {case.batch_size}'] = all(
           np.array_equal(a, b) for a, b in zip(base.outputs, case.outputs))
   hf_agreement = None
   if _HF.value:
@@ -389,7 +407,7 @@ def main(argv):
                                     context_length=context)
            for b in (1, _BATCH.value)}
   bandwidth = memory_bandwidth()
-  target_bytes = bytes_per_target_call(target, 1, context)
+  target_bytes = bytes_per_target_call(plain_target, 1, context)
   floor_ms = 1e3 * target_bytes / bandwidth
 
   ratios = {
@@ -429,14 +447,19 @@ def main(argv):
                                 a['alpha'], gamma, cost.c, 1.0)))
   ablations = []
   if _ABLATIONS.value:
-    for name, after_name, temperature in (
-        ('baseline, argmax + Gumbel sampler (before)', 'speclm baseline', 0.0),
-        ('speculative, argmax + Gumbel sampler (before)', 'speclm speculative', 0.0),
-        ('speculative, Gumbel sampler (before)', 'speclm speculative', 1.0),
-        ('baseline, tied [V, D] head (before)', 'speclm baseline', 0.0)):
-      before, after = find(cases, name, 1, temperature), find(cases, after_name, 1, temperature)
+    for name, after_name, batch_size, temperature in (
+        ('baseline, argmax + Gumbel sampler (before)', 'speclm baseline', 1, 0.0),
+        ('speculative, argmax + Gumbel sampler (before)', 'speclm speculative', 1, 0.0),
+        ('speculative, Gumbel sampler (before)', 'speclm speculative', 1, 1.0),
+        ('baseline, tied [V, D] head (before)', 'speclm baseline', 1, 0.0),
+        ('speculative, XLA products (before)', 'speclm speculative', 1, 0.0),
+        ('baseline, XLA products (before)', 'speclm baseline', _BATCH.value, 0.0),
+        ('speculative, XLA products (before)', 'speclm speculative', _BATCH.value, 0.0)):
+      before = find(cases, name, batch_size, temperature)
+      after = find(cases, after_name, batch_size, temperature)
       if before is not None:
-        ablations.append(dict(change=name, before_ms=median(before.ms_per_token()),
+        ablations.append(dict(change=name, batch_size=batch_size,
+                              before_ms=median(before.ms_per_token()),
                               after_ms=median(after.ms_per_token()),
                               speedup=ratio(after, before)))
 
@@ -556,11 +579,12 @@ def render(s: dict) -> str:
   if s['export_error'] is not None:
     lines.append(f'- HF export of the draft: max |logit difference| {s["export_error"]:.1e}')
   if s['ablations']:
-    lines += ['', '## What the CPU optimisations moved (batch 1, interleaved in the same run)',
-              '', '| before | ms / token before | after | speedup |', '| --- | --- | --- | --- |']
+    lines += ['', '## What the CPU optimisations moved (interleaved in the same run)', '',
+              '| before | batch | ms / token before | after | speedup |',
+              '| --- | --- | --- | --- | --- |']
     for a in s['ablations']:
-      lines.append(f'| {a["change"]} | {a["before_ms"]:.1f} | {a["after_ms"]:.1f} |'
-                   f' {fmt(a["speedup"])}× |')
+      lines.append(f'| {a["change"]} | {a["batch_size"]} | {a["before_ms"]:.1f} |'
+                   f' {a["after_ms"]:.1f} | {fmt(a["speedup"])}× |')
   lines.append('')
   return '\n'.join(lines)
 

@@ -285,10 +285,14 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
 
 
 @gin.configurable
-def smollm2_model(dtype: str = 'float32') -> protocol.Model:
-  """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.models.smollm2`)."""
+def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True) -> protocol.Model:
+  """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.models.smollm2`).
+
+  `cpu_kernels`: products of 2–16 rows through `speclm.kernels.cpu_matmul` on a one-device
+  CPU job (`llama.pack_for_cpu`; a no-op elsewhere).
+  """
   from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
-  return smollm2.load_model(dtype)
+  return smollm2.load_model(dtype, cpu_kernels)
 
 
 @gin.configurable
@@ -315,16 +319,18 @@ def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
 
 
 @gin.configurable
-def smollm2_draft_model(path: str | None = None, dtype: str = 'float32') -> protocol.Model:
+def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
+                        cpu_kernels: bool = True) -> protocol.Model:
   """The trained draft shipped for SmolLM2-135M (`speclm.models.smollm2_draft`).
 
   It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
+  `cpu_kernels`: as for `smollm2_model`.
   """
   if path is not None:
     _check_path(path, 'SmolLM2 draft')
   from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.models import smollm2_draft  # pylint: disable=g-import-not-at-top
-  return smollm2_draft.load(smollm2.load_model(dtype), path, dtype)
+  return smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
 
 
 @gin.configurable

@@ -140,6 +140,9 @@ class Kernel(nn.Module):
   @nn.compact
   def __call__(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
+    rows = math.prod(x.shape[:x.ndim - self.merge_input_dims])
+    if self.has_variable('params', 'packed') and 2 <= rows <= _PACKED_MAX_ROWS:
+      return self._packed_product(x)
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
     if self.merge_input_dims > 1:
       # A plain 2-D product on contiguous reshapes (free): XLA then reads the kernel as stored
@@ -147,6 +150,24 @@ class Kernel(nn.Module):
       kernel = kernel.reshape((-1,) + self.shape[self.merge_input_dims:])
       x = x.reshape(x.shape[:x.ndim - self.merge_input_dims] + (-1,))
     return layers.dot(self.spec, x, kernel, self.dtype)
+
+  def _packed_product(self, x):
+    """The same product through `cpu_matmul` (weights streamed once for 2–16 rows)."""
+    from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+    merge = self.merge_input_dims
+    lead = x.shape[:x.ndim - merge]
+    inputs = math.prod(self.shape[:merge])
+    outputs = self.shape[merge:]
+    y = cpu_matmul.matmul(x.reshape(-1, inputs).astype(jnp.float32),
+                          self.get_variable('params', 'packed'), math.prod(outputs))
+    return y.reshape(lead + outputs).astype(self.dtype)
+
+
+# Row counts (tokens × sequences in one call) for which a packed kernel is used: one row is
+# XLA's own matrix-vector kernel, already at memory bandwidth; long prompts are compute-bound,
+# where XLA's matrix-matrix kernel is faster.
+_PACKED_MAX_ROWS = 16
+_INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
 
 
 class Attention(nn.Module):
@@ -370,6 +391,37 @@ def untie_head(model: protocol.Model) -> protocol.Model:
   params['lm_head'] = {'kernel': jnp.asarray(jnp.transpose(table))}
   definition = Llama(dataclasses.replace(config, tie_embeddings=False))
   return protocol.Model(definition, params)
+
+
+def pack_for_cpu(model: protocol.Model) -> protocol.Model:
+  """The same model with every projection also stored for `speclm.kernels.cpu_matmul`.
+
+  Calls with 2–16 rows (speculative verification, small batches) then multiply through the
+  packed copy, which XLA's CPU matrix-matrix kernel would otherwise run at about half the
+  memory bandwidth of its one-row kernel (docs/performance.md); one-row calls and long
+  prompts keep XLA's products. Outputs agree with the unpacked model to float32 rounding, and
+  a row's result does not depend on how many rows share the call. The head is untied first
+  (`untie_head`). Costs a second copy of the weights in memory. Inference only (the kernel
+  has no gradient). Returns the model unchanged where the kernel is unavailable (not on CPU,
+  or no C++ compiler; the reason is logged) and on more than one device.
+  """
+  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  if (jnp.dtype(model.definition.config.dtype) != jnp.float32 or jax.device_count() > 1
+      or not cpu_matmul.available()):
+    return model  # several devices: leave the parameters as the sharding rules expect them
+  model = untie_head(model)
+
+  def walk(tree, name=None):
+    if not isinstance(tree, dict):
+      return tree
+    out = {key: walk(value, key) for key, value in tree.items()}
+    if 'kernel' in tree and not isinstance(tree['kernel'], dict):
+      kernel = np.asarray(tree['kernel'], np.float32)
+      inputs = math.prod(kernel.shape[:_INPUT_DIMS.get(name, 1)])
+      out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1)))
+    return out
+
+  return protocol.Model(model.definition, walk(dict(model.params)))
 
 
 def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2, seed: int = 0,

@@ -59,14 +59,19 @@ def _open():
   return gguf.open_gguf(gguf_path())
 
 
-@functools.lru_cache(maxsize=2)
-def load_model(dtype: str = 'float32') -> protocol.Model:
+@functools.lru_cache(maxsize=4)
+def load_model(dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Model:
   """SmolLM2-135M-Instruct as a `speclm.protocol.Model` (cached: later calls are free).
 
   The tied output head is stored untied (`llama.untie_head`): identical logits, faster on CPU.
+  With `cpu_kernels`, projections of 2–16 rows run through `speclm.kernels.cpu_matmul`
+  (`llama.pack_for_cpu`; inference only, and a second copy of the weights); the demo job and
+  the benchmark use it.
   """
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
   from speclm.models import llama  # pylint: disable=import-outside-toplevel
+  if cpu_kernels:
+    return llama.pack_for_cpu(load_model(dtype))
   return llama.untie_head(gguf.load_model(_open(), dtype=dtype))
 
 
@@ -77,9 +82,9 @@ def load_tokenizer():
   return tokenizer.Tokenizer.from_gguf(_open())
 
 
-def load(dtype: str = 'float32'):
-  """(model, tokenizer) for SmolLM2-135M-Instruct."""
-  return load_model(dtype), load_tokenizer()
+def load(dtype: str = 'float32', cpu_kernels: bool = False):
+  """(model, tokenizer) for SmolLM2-135M-Instruct (see `load_model`)."""
+  return load_model(dtype, cpu_kernels), load_tokenizer()
 
 
 def generate_text(model: protocol.Model, tok, prompts: Sequence[str], *, draft=None,

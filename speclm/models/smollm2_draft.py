@@ -46,10 +46,12 @@ def subset_embedding(target: protocol.Model, subset_ids, other_embedding) -> jax
 
 
 def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
-             num_layers: int, dtype: str = 'float32') -> protocol.Model:
+             num_layers: int, dtype: str = 'float32',
+             cpu_kernels: bool = False) -> protocol.Model:
   """A full-vocabulary draft `Model` from its trained parameters and the target's embeddings.
 
-  `trained` holds `layers_{i}`, `final_norm` and `other_embedding` (`[D]`).
+  `trained` holds `layers_{i}`, `final_norm` and `other_embedding` (`[D]`). `cpu_kernels`:
+  see `llama.pack_for_cpu` (inference only).
   """
   config = draft_config(target.definition.config, num_layers, len(subset_ids), dtype)
   inner_params = {k: v for k, v in trained.items() if k != 'other_embedding'}
@@ -59,7 +61,8 @@ def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
                                         inner_params)
   inner = protocol.Model(llama.Llama(config), inner_params)
   inner.definition.validate_params(inner.params)
-  return subset_vocab.wrap(llama.untie_head(inner), subset_ids, target.vocab_size)
+  inner = llama.pack_for_cpu(inner) if cpu_kernels else llama.untie_head(inner)
+  return subset_vocab.wrap(inner, subset_ids, target.vocab_size)
 
 
 def save(path: str, trained: dict[str, Any], subset_ids, metadata: dict[str, Any]) -> None:
@@ -91,11 +94,11 @@ def read(path: str | None = None) -> tuple[dict[str, Any], np.ndarray, dict[str,
 
 
 def load(target: protocol.Model, path: str | None = None,
-         dtype: str = 'float32') -> protocol.Model:
+         dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Model:
   """The shipped (or a given) draft for `target` = SmolLM2-135M, as a `protocol.Model`."""
   trained, subset_ids, metadata = read(path)
   num_layers = sum(1 for k in trained if k.startswith('layers_'))
   if metadata.get('num_layers', num_layers) != num_layers:
     raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
                      f' {num_layers}.')
-  return assemble(target, trained, subset_ids, num_layers, dtype)
+  return assemble(target, trained, subset_ids, num_layers, dtype, cpu_kernels)

@@ -1,0 +1,85 @@
+"""speclm.kernels.cpu_matmul and llama.pack_for_cpu: exact enough, row-independent, used."""
+
+import jax
+import numpy as np
+import pytest
+
+import speclm
+from speclm.kernels import cpu_matmul
+from speclm.models import llama
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(),
+                                reason='the CPU kernel could not be built here')
+
+
+@pytest.mark.parametrize('rows,inputs,outputs', [(1, 576, 1536), (4, 576, 192), (5, 64, 8193),
+                                                 (8, 1536, 576), (13, 33, 70), (20, 7, 64)])
+def test_matmul_matches_a_float64_product(rows, inputs, outputs):
+  rng = np.random.default_rng(rows)
+  x = rng.standard_normal((rows, inputs)).astype(np.float32)
+  w = rng.standard_normal((inputs, outputs)).astype(np.float32)
+  y = np.asarray(jax.jit(cpu_matmul.matmul, static_argnums=2)(x, cpu_matmul.pack(w), outputs))
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  xla_error = np.abs(np.asarray(jax.numpy.dot(x, w)) - exact).max()
+  assert y.shape == (rows, outputs)
+  # Blocked summation: no less accurate than XLA's own product (plus one rounding step).
+  assert np.abs(y - exact).max() <= 2 * xla_error + 1e-6 * np.abs(exact).max()
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((11, 96)).astype(np.float32)
+  packed = cpu_matmul.pack(rng.standard_normal((96, 130)).astype(np.float32))
+  matmul = jax.jit(cpu_matmul.matmul, static_argnums=2)
+  whole = np.asarray(matmul(x, packed, 130))
+  for r in (0, 7, 10):
+    np.testing.assert_array_equal(np.asarray(matmul(x[r:r + 1], packed, 130))[0], whole[r])
+    np.testing.assert_array_equal(np.asarray(matmul(x[r:r + 3], packed, 130))[0], whole[r])
+
+
+def test_pack_layout_and_errors():
+  w = np.arange(6 * 70, dtype=np.float32).reshape(6, 70)
+  packed = cpu_matmul.pack(w)
+  assert packed.shape == (2, 6, 64)
+  np.testing.assert_array_equal(packed[1, :, :6], w[:, 64:])
+  assert not packed[1, :, 6:].any()  # zero padding
+  with pytest.raises(ValueError, match='2-D'):
+    cpu_matmul.pack(np.zeros((2, 3, 4), np.float32))
+  with pytest.raises(TypeError, match='float32'):
+    cpu_matmul.matmul(jax.numpy.zeros((2, 6), jax.numpy.bfloat16), packed, 70)
+
+
+def _models():
+  target = llama.random_model(vocab_size=200, embed_dim=64, num_layers=2, seed=0, mlp_dim=128)
+  draft = llama.random_model(vocab_size=200, embed_dim=64, num_layers=1, seed=1, mlp_dim=128)
+  return target, draft
+
+
+def test_packed_model_uses_the_kernel_for_2_to_16_rows_only():
+  target, _ = _models()
+  packed = llama.pack_for_cpu(target)
+  assert packed.params['layers_0']['attention']['out']['packed'].shape == (1, 64, 64)
+  assert packed.params['lm_head']['packed'].shape == (4, 64, 64)  # head untied, 200 -> 256
+
+  def uses_kernel(length):
+    tokens = np.zeros((1, length), np.int32)
+    jaxpr = jax.make_jaxpr(packed.definition.forward)(packed.params, tokens)
+    return cpu_matmul.TARGET_NAME in str(jaxpr)
+
+  assert not uses_kernel(1) and uses_kernel(2) and uses_kernel(16) and not uses_kernel(17)
+
+
+def test_packed_model_gives_the_same_logits_and_exact_speculative_decoding():
+  target, draft = _models()
+  packed_target, packed_draft = llama.pack_for_cpu(target), llama.pack_for_cpu(draft)
+  tokens = np.array([[5, 6, 7, 8, 9], [9, 10, 11, 12, 13]], np.int32)
+  np.testing.assert_allclose(packed_target.definition.forward(packed_target.params, tokens),
+                             target.definition.forward(target.params, tokens), atol=1e-5)
+  prompts = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32)
+  lengths = np.array([4, 2], np.int32)
+  base = speclm.autoregressive_decode(packed_target, prompts, lengths, max_new_tokens=24)
+  spec = speclm.speculative_decode(packed_target, packed_draft, prompts, lengths, gamma=4,
+                                   max_new_tokens=24)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  plain = speclm.autoregressive_decode(target, prompts, lengths, max_new_tokens=24)
+  np.testing.assert_array_equal(base.tokens, plain.tokens)
