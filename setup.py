@@ -40,7 +40,7 @@ setuptools.setup(
     license='Apache-2.0',
     python_requires='>=3.10',
     packages=setuptools.find_packages(include=['speclm', 'speclm.*']),
-    package_data={'speclm': ['assets/*/*']},
+    package_data={'speclm': ['assets/*/*', 'kernels/*.cc']},
     install_requires=CORE,
     extras_require=EXTRAS,
 )
