@@ -399,22 +399,25 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   batches = make_batches(seqs, prompt_lengths, soft, maps['to_subset'], _BATCH.value,
                          np.random.RandomState(_SEED.value))
   start = time.time()
+  schedule = _schedule(warmup, steps)
   timed_from = None
   i = 0
   while i < steps:
-    trained, opt_state, loss, acc = step(trained, opt_state,
-                                         _learning_rate(i, warmup, steps), *next(batches))
+    trained, opt_state, loss, acc = step(trained, opt_state, np.float32(schedule(i)),
+                                         *next(batches))
     if i == 9:  # steps 0-9 include the compiles; time the ones after
       jax.block_until_ready(loss)
       timed_from = time.time()
-    budget = min(_TRAIN_BUDGET.value or float('inf'), time.time() - start + _seconds_left() - 20)
-    if budget < float('inf') and i == 59:
+    if i == 59 and (_TRAIN_BUDGET.value or _DEADLINE.value is not None):
+      budget = min(_TRAIN_BUDGET.value or float('inf'),
+                   time.time() - start + _seconds_left() - 20)
       per_step = (time.time() - timed_from) / 50
       affordable = 60 + int((budget - (time.time() - start)) / per_step)
       if affordable < steps:
         logging.info('%.1f ms per step: %d steps fit in a training budget of %.0f s (instead of %d)',
                      per_step * 1e3, max(affordable, i + 1), budget, steps)
         steps = max(affordable, i + 1)
+        schedule = _schedule(warmup, steps)
     if i % 50 == 0 or i == steps - 1:
       logging.info('step %d/%d loss %.3f argmax accuracy %.3f (%.0fs)', i + 1, steps,
                    float(loss), float(acc), time.time() - start)
@@ -426,12 +429,9 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
                        final_argmax_accuracy=float(acc))
 
 
-def _learning_rate(i: int, warmup: int, steps: int) -> np.float32:
+def _schedule(warmup: int, steps: int):
   """Linear warm-up to --learning_rate, then cosine decay to 0 at `steps`."""
-  if i < warmup:
-    return np.float32(_LR.value * i / warmup)
-  progress = min(1.0, (i - warmup) / max(1, steps - warmup))
-  return np.float32(0.5 * _LR.value * (1 + np.cos(np.pi * progress)))
+  return optax.warmup_cosine_decay_schedule(0.0, _LR.value, warmup, max(steps, warmup + 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,12 +515,13 @@ def evaluate(target, tok, trained, subset_ids, metadata: dict) -> dict:
               heldout=dict(prompts=len(eval_prompts), **heldout), demo=demo)
 
 
-def write(trained, subset_ids, metadata: dict) -> None:
-  """The draft file and its model card in --output_dir."""
+def write(trained, subset_ids, metadata: dict, card: bool = True) -> None:
+  """The draft file, and its model card (which needs α in `metadata`), in --output_dir."""
   path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
   smollm2_draft.save(path, trained, subset_ids, metadata)
-  with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w') as f:
-    f.write(model_card(metadata, os.path.getsize(path)))
+  if card:
+    with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w') as f:
+      f.write(model_card(metadata, os.path.getsize(path)))
   logging.info('wrote %s (%.1f MB): %s', path, os.path.getsize(path) / 1e6,
                json.dumps(metadata, sort_keys=True))
 
@@ -560,10 +561,8 @@ def main(argv):
       sampled_replies=_SAMPLED_REPLIES.value, hardware=_hardware(),
       label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value,
       generation_seconds=round(gen_seconds, 1), **train_info)
-  if not _EVALUATE.value:
-    path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.WEIGHTS_FILE)
-    smollm2_draft.save(path, trained, subset_ids, metadata)
-    logging.info('wrote %s without α (--noevaluate): %s', path, json.dumps(metadata))
+  if not _EVALUATE.value:  # the draft file only; --stage=evaluate adds α and the card
+    write(trained, subset_ids, metadata, card=False)
     return
   write(trained, subset_ids, evaluate(target, tok, trained, subset_ids, metadata))
 
