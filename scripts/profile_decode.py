@@ -26,6 +26,7 @@ from absl import flags
 
 import speclm
 from speclm.data import builtin_prompts
+from speclm.models import llama
 from speclm.models import smollm2
 from speclm.models import smollm2_draft
 
@@ -36,6 +37,8 @@ _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature.')
 _TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
+_CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Packed CPU kernels for 2-16-row products'
+                                 ' (llama.pack_for_cpu), as the demo and the benchmark run.')
 
 
 def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
@@ -61,7 +64,11 @@ def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
 def main(argv):
   del argv
   target, tok = smollm2.load()
-  draft = smollm2_draft.load(target) if _MODE.value == 'speculative' else None
+  draft = None
+  if _MODE.value == 'speculative':
+    draft = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
+  if _CPU_KERNELS.value:
+    target = llama.pack_for_cpu(target)
   prompts = (builtin_prompts.demo_prompts() * _BATCH.value)[:_BATCH.value]
   tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
   sampling = speclm.SamplingConfig(temperature=_TEMPERATURE.value)

@@ -1,4 +1,4 @@
-"""speclm.kernels.cpu_matmul and llama.pack_for_cpu: exact enough, row-independent, used."""
+"""speclm.kernels.cpu_matmul and llama.pack_for_cpu: accurate, row-independent, used."""
 
 import jax
 import numpy as np
@@ -22,8 +22,23 @@ def test_matmul_matches_a_float64_product(rows, inputs, outputs):
   exact = x.astype(np.float64) @ w.astype(np.float64)
   xla_error = np.abs(np.asarray(jax.numpy.dot(x, w)) - exact).max()
   assert y.shape == (rows, outputs)
-  # Blocked summation: no less accurate than XLA's own product (plus one rounding step).
-  assert np.abs(y - exact).max() <= 2 * xla_error + 1e-6 * np.abs(exact).max()
+  # Blocked summation into a float64 total: no less accurate than XLA's own product.
+  assert np.abs(y - exact).max() <= xla_error + 1e-7 * np.abs(exact).max()
+
+
+def test_long_sums_of_large_terms_round_less_than_xlas():
+  """A few huge inputs (as SmolLM2's massive activations): the float64 total pays off.
+
+  Five seeds measured the kernel's max error at 0.14-0.32 of XLA's float32 running sum.
+  """
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((4, 1536)).astype(np.float32)
+  x[:, :8] *= 300
+  w = rng.standard_normal((1536, 576)).astype(np.float32)
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  y = np.asarray(jax.jit(cpu_matmul.matmul, static_argnums=2)(x, cpu_matmul.pack(w), 576))
+  xla_error = np.abs(np.asarray(jax.numpy.dot(x, w)) - exact).max()
+  assert np.abs(y - exact).max() < 0.5 * xla_error
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows():
@@ -55,7 +70,7 @@ def _models():
   return target, draft
 
 
-def test_packed_model_uses_the_kernel_for_2_to_16_rows_only():
+def test_packed_model_uses_the_kernel_for_every_row_count():
   target, _ = _models()
   packed = llama.pack_for_cpu(target)
   assert packed.params['layers_0']['attention']['out']['packed'].shape == (1, 64, 64)
@@ -66,7 +81,10 @@ def test_packed_model_uses_the_kernel_for_2_to_16_rows_only():
     jaxpr = jax.make_jaxpr(packed.definition.forward)(packed.params, tokens)
     return cpu_matmul.TARGET_NAME in str(jaxpr)
 
-  assert not uses_kernel(1) and uses_kernel(2) and uses_kernel(16) and not uses_kernel(17)
+  assert all(uses_kernel(length) for length in (1, 2, 16, 17, 64))
+  tokens = np.zeros((1, 3), np.int32)
+  assert cpu_matmul.TARGET_NAME not in str(
+      jax.make_jaxpr(target.definition.forward)(target.params, tokens))  # plain: XLA's dots
 
 
 def test_packed_model_gives_the_same_logits_and_exact_speculative_decoding():

@@ -110,12 +110,14 @@ def test_chat_template_renders_a_user_message(smol):
 def test_logits_and_tokens_match_hugging_face(smol, batch):
   """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits.
 
-  On this 30-layer model, float32 rounding alone moves logits (of size 20-40) by ~1e-4: HF's
-  float32 logits differ from a float64 evaluation by 0.5-0.9e-4, ours by 1.2-1.6e-4, the
-  largest at the first position, whose activations are huge. A float64 evaluation of our layer
-  structure agrees with HF's float64 one to 1.7e-5 (HF keeps RoPE angles in float32), so the
-  gap is rounding, not layout. Bounds: 2e-4 on the max, 3e-5 on the mean (measured 1.4e-5).
-  The small random config in `test_hf_llama.py` meets 1e-4 with a wide margin.
+  The model as the demo runs it (`llama.pack_for_cpu`: every product through
+  `speclm.kernels.cpu_matmul`) meets the issue's bound, max |diff| < 1e-4. The plain model
+  multiplies with XLA's CPU dots, which sum each output in one float32 running total; on this
+  30-layer model that rounding alone moves logits (of size 20-40) by ~1.5e-4, most at the
+  first position, whose "massive activations" reach 2e4 (docs/performance.md, "Accuracy").
+  HF's products (oneDNN/MKL) and the kernel's float64 total round far less there. The plain
+  model keeps a 2e-4 bound on the max and 3e-5 on the mean; the small random config in
+  `test_hf_llama.py` meets 1e-4 with a wide margin on either path.
   """
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
@@ -127,7 +129,6 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
     assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, gguf_file=name, dtype=torch.float32).eval()
-  forward = jax.jit(model.definition.forward)
 
   def hf_logits(tokens):
     with torch.no_grad():
@@ -137,11 +138,15 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
                         'def square(x):\n    return x * x\n\nprint(square('], pad_id=0)
   tokens, lengths = batch
   inputs = [plain[:, :12], tokens[:, :int(lengths.min())]]  # unpadded parts of both rows
-  ours = [np.asarray(forward(model.params, x)) for x in inputs]
   theirs = [hf_logits(x) for x in inputs]
-  for a, b in zip(ours, theirs):
-    assert np.max(np.abs(a - b)) < 2e-4
-    assert np.mean(np.abs(a - b)) < 3e-5
+  packed = llama.pack_for_cpu(model)
+  assert 'packed' in packed.params['layers_0']['mlp']['down'], 'the CPU kernel did not build'
+  for candidate, max_bound, mean_bound in ((packed, 1e-4, 2e-5), (model, 2e-4, 3e-5)):
+    forward = jax.jit(candidate.definition.forward)
+    for x, reference in zip(inputs, theirs):
+      difference = np.abs(np.asarray(forward(candidate.params, x)) - reference)
+      assert difference.max() < max_bound, (candidate is packed, difference.max())
+      assert difference.mean() < mean_bound, (candidate is packed, difference.mean())
 
 
 def test_baseline_gives_text(smol, baseline):

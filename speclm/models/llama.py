@@ -140,8 +140,7 @@ class Kernel(nn.Module):
   @nn.compact
   def __call__(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
-    rows = math.prod(x.shape[:x.ndim - self.merge_input_dims])
-    if self.has_variable('params', 'packed') and 2 <= rows <= _PACKED_MAX_ROWS:
+    if self.has_variable('params', 'packed'):
       return self._packed_product(x)
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
     if self.merge_input_dims > 1:
@@ -152,7 +151,7 @@ class Kernel(nn.Module):
     return layers.dot(self.spec, x, kernel, self.dtype)
 
   def _packed_product(self, x):
-    """The same product through `cpu_matmul` (weights streamed once for 2–16 rows)."""
+    """The same product through `cpu_matmul`: weights streamed once for any number of rows."""
     from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
     merge = self.merge_input_dims
     lead = x.shape[:x.ndim - merge]
@@ -163,10 +162,6 @@ class Kernel(nn.Module):
     return y.reshape(lead + outputs).astype(self.dtype)
 
 
-# Row counts (tokens × sequences in one call) for which a packed kernel is used: one row is
-# XLA's own matrix-vector kernel, already at memory bandwidth; long prompts are compute-bound,
-# where XLA's matrix-matrix kernel is faster.
-_PACKED_MAX_ROWS = 16
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
 
 
@@ -396,11 +391,13 @@ def untie_head(model: protocol.Model) -> protocol.Model:
 def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   """The same model with every projection also stored for `speclm.kernels.cpu_matmul`.
 
-  Calls with 2–16 rows (speculative verification, small batches) then multiply through the
-  packed copy, which XLA's CPU matrix-matrix kernel would otherwise run at about half the
-  memory bandwidth of its one-row kernel (docs/performance.md); one-row calls and long
-  prompts keep XLA's products. Outputs agree with the unpacked model to float32 rounding, and
-  a row's result does not depend on how many rows share the call. The head is untied first
+  Every projection then multiplies through the packed copy: one kernel for every row count,
+  so a row's product never depends on how many rows share the call. Calls of 2–16 rows (speculative verification, small
+  batches) stream the weights at the bandwidth of one row, where XLA's CPU matrix-matrix
+  kernel reaches about half of it; one row runs as fast as XLA's matrix-vector kernel; prompts
+  of 32+ rows run up to 1.3x slower than XLA's GEMM (docs/performance.md). Its float64 running
+  total makes the products more accurate than XLA's: SmolLM2's logits then agree with Hugging
+  Face's to < 1e-4 (1.5e-4 with XLA's products). The head is untied first
   (`untie_head`). Costs a second copy of the weights in memory. Inference only (the kernel
   has no gradient). Returns the model unchanged where the kernel is unavailable (not on CPU,
   or no C++ compiler; the reason is logged) and on more than one device.
