@@ -27,6 +27,7 @@ It prints the table and ratios and writes `docs/benchmarks.md` (never edit that 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import datetime
 import os
 import platform
@@ -46,6 +47,7 @@ from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.checkpoints import gguf
 from speclm.data import builtin_prompts
+from speclm.models import lookup
 from speclm.models import smollm2
 from speclm.models import smollm2_draft
 
@@ -60,8 +62,11 @@ _BATCH_GAMMA = flags.DEFINE_integer('batch_gamma', 1,
                                     ' there, so the best γ is smaller.')
 _THREADS = flags.DEFINE_integer('threads', 2, 'PyTorch CPU threads for Hugging Face.')
 _CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True,
-                                 'Run our 2-16-row products through speclm.kernels.cpu_matmul'
+                                 'Run our products through speclm.kernels.cpu_matmul'
                                  ' (llama.pack_for_cpu); the ablation times XLA\'s products.')
+_LOOKUP_MIN_NGRAM = flags.DEFINE_integer(
+    'lookup_min_ngram', 2, 'As the demo: prompt lookup proposes where the last n+ tokens'
+    ' occurred before, the trained draft elsewhere (lookup.lookup_first); 0: the draft alone.')
 _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
 _OUTPUT = flags.DEFINE_string(
@@ -146,8 +151,8 @@ def _prompt_batch(tok, prompts, width: int):
   return tokens, np.array([len(r) for r in rows], np.int32)
 
 
-def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=None
-                 ) -> list[Case]:
+def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=None,
+                 draft_alone=None) -> list[Case]:
   width = max(len(tok.encode_chat(p)) for p in prompts)
   single = [_prompt_batch(tok, [p], width) for p in prompts]
   batch = _prompt_batch(tok, (prompts * _BATCH.value)[:_BATCH.value], width)
@@ -193,12 +198,17 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=No
         make('speculative, Gumbel sampler (before)', 'ablation', 1, SAMPLED, target, draft,
              before=True),
     ]
+    if draft_alone is not None:
+      cases += [make('speculative, trained draft alone (before)', 'ablation', batch_size,
+                     sampling, target, draft_alone)
+                for batch_size, sampling in ((1, GREEDY), (1, SAMPLED), (_BATCH.value, GREEDY))]
     if tied_target is not None:
-      cases.append(make('baseline, tied [V, D] head (before)', 'ablation', 1, GREEDY,
-                        tied_target))
+      cases.append(make('baseline, XLA products, tied [V, D] head (before)', 'ablation', 1,
+                        GREEDY, tied_target))
     if xla_models is not None:
       xla_target, xla_draft = xla_models
       cases += [
+          make('baseline, XLA products (before)', 'ablation', 1, GREEDY, xla_target),
           make('speculative, XLA products (before)', 'ablation', 1, GREEDY, xla_target,
                xla_draft),
           make('baseline, XLA products (before)', 'ablation', _BATCH.value, GREEDY, xla_target),
@@ -337,13 +347,19 @@ def main(argv):
   plain_target, tok = smollm2.load()
   plain_draft = smollm2_draft.load(plain_target)
   target = smollm2.load_model(cpu_kernels=_CPU_KERNELS.value)
-  draft = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
+  draft_alone = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
+  draft, xla_draft = draft_alone, plain_draft
+  if _LOOKUP_MIN_NGRAM.value:
+    wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value,
+                             max_ngram=max(3, _LOOKUP_MIN_NGRAM.value))
+    draft, xla_draft = wrap(draft_alone), wrap(plain_draft)
   tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
   prompts = builtin_prompts.demo_prompts()
 
-  xla_models = (plain_target, plain_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None
+  xla_models = (plain_target, xla_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None
   cases = speclm_cases(target, draft, tok, prompts, tied_target=tied_target,
-                       xla_models=xla_models)
+                       xla_models=xla_models,
+                       draft_alone=draft_alone if _LOOKUP_MIN_NGRAM.value else None)
   export_error = None
   if _HF.value:
     cases += hf_cases(plain_target, plain_draft, tok, prompts)
@@ -456,14 +472,19 @@ def main(argv):
         ('baseline, argmax + Gumbel sampler (before)', 'speclm baseline', 1, 0.0),
         ('speculative, argmax + Gumbel sampler (before)', 'speclm speculative', 1, 0.0),
         ('speculative, Gumbel sampler (before)', 'speclm speculative', 1, 1.0),
-        ('baseline, tied [V, D] head (before)', 'speclm baseline', 1, 0.0),
+        ('speculative, trained draft alone (before)', 'speclm speculative', 1, 0.0),
+        ('speculative, trained draft alone (before)', 'speclm speculative', 1, 1.0),
+        ('speculative, trained draft alone (before)', 'speclm speculative', _BATCH.value, 0.0),
+        ('baseline, XLA products, tied [V, D] head (before)', 'baseline, XLA products (before)',
+         1, 0.0),
+        ('baseline, XLA products (before)', 'speclm baseline', 1, 0.0),
         ('speculative, XLA products (before)', 'speclm speculative', 1, 0.0),
         ('baseline, XLA products (before)', 'speclm baseline', _BATCH.value, 0.0),
         ('speculative, XLA products (before)', 'speclm speculative', _BATCH.value, 0.0)):
       before = find(cases, name, batch_size, temperature)
       after = find(cases, after_name, batch_size, temperature)
       if before is not None:
-        ablations.append(dict(change=name, batch_size=batch_size,
+        ablations.append(dict(change=name, batch_size=batch_size, temperature=temperature,
                               before_ms=median(before.ms_per_token()),
                               after_ms=median(after.ms_per_token()),
                               speedup=ratio(after, before)))
@@ -520,7 +541,11 @@ def render(s: dict) -> str:
       f' {platform.python_version()}, {_versions()}',
       f'- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF) and'
       f' the shipped {s["draft_card"].get("num_layers")}-layer draft'
-      f' ({s["draft_card"].get("subset_size")}-token head)',
+      f' ({s["draft_card"].get("subset_size")}-token head)' + (
+          f', with prompt lookup taking over where the last {_LOOKUP_MIN_NGRAM.value}+ tokens'
+          ' occurred before (as in the demo; Hugging Face\'s assistant is the trained draft'
+          ' alone, since assisted generation takes one or the other)'
+          if _LOOKUP_MIN_NGRAM.value else ''),
       f'- settings: γ = {_GAMMA.value} at batch 1 and {_gamma(_BATCH.value)} at batch'
       f' {_BATCH.value}, {_MAX_NEW.value} new tokens per row (end token ignored),'
       f' {_ROUNDS.value} interleaved rounds; batch-1 cases decode demo prompt k in round k;'
@@ -588,12 +613,12 @@ def render(s: dict) -> str:
   if s['export_error'] is not None:
     lines.append(f'- HF export of the draft: max |logit difference| {s["export_error"]:.1e}')
   if s['ablations']:
-    lines += ['', '## What the CPU optimisations moved (interleaved in the same run)', '',
-              '| before | batch | ms / token before | after | speedup |',
-              '| --- | --- | --- | --- | --- |']
+    lines += ['', '## What the optimisations moved (interleaved in the same run)', '',
+              '| before | batch | T | ms / token before | after | speedup |',
+              '| --- | --- | --- | --- | --- | --- |']
     for a in s['ablations']:
-      lines.append(f'| {a["change"]} | {a["batch_size"]} | {a["before_ms"]:.1f} |'
-                   f' {a["after_ms"]:.1f} | {fmt(a["speedup"])}× |')
+      lines.append(f'| {a["change"]} | {a["batch_size"]} | {a["temperature"]:g} |'
+                   f' {a["before_ms"]:.1f} | {a["after_ms"]:.1f} | {fmt(a["speedup"])}× |')
   lines.append('')
   return '\n'.join(lines)
 

@@ -37,7 +37,7 @@ _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature.')
 _TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
-_CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Packed CPU kernels for 2-16-row products'
+_CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Products through the packed CPU kernel'
                                  ' (llama.pack_for_cpu), as the demo and the benchmark run.')
 
 

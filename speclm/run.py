@@ -288,8 +288,8 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
 def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True) -> protocol.Model:
   """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.models.smollm2`).
 
-  `cpu_kernels`: products of 2–16 rows through `speclm.kernels.cpu_matmul` on a one-device
-  CPU job (`llama.pack_for_cpu`; a no-op elsewhere).
+  `cpu_kernels`: every projection through `speclm.kernels.cpu_matmul` on a one-device CPU
+  job (`llama.pack_for_cpu`; a no-op elsewhere).
   """
   from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
   return smollm2.load_model(dtype, cpu_kernels)
@@ -320,17 +320,26 @@ def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
 
 @gin.configurable
 def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
-                        cpu_kernels: bool = True) -> protocol.Model:
+                        cpu_kernels: bool = True, lookup_min_ngram: int = 0) -> protocol.Model:
   """The trained draft shipped for SmolLM2-135M (`speclm.models.smollm2_draft`).
 
   It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
-  `cpu_kernels`: as for `smollm2_model`.
+  `cpu_kernels`: as for `smollm2_model`. `lookup_min_ngram` n > 0: prompt lookup proposes
+  instead wherever the last n+ tokens occurred before (`speclm.models.lookup.lookup_first`);
+  the demo uses n = 2.
   """
   if path is not None:
     _check_path(path, 'SmolLM2 draft')
+  if lookup_min_ngram < 0:
+    raise ValueError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
   from speclm.models import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.models import smollm2_draft  # pylint: disable=g-import-not-at-top
-  return smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
+  draft = smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
+  if lookup_min_ngram:
+    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram,
+                                max_ngram=max(3, lookup_min_ngram))
+  return draft
 
 
 @gin.configurable

@@ -200,11 +200,13 @@ def _drafts():
       'bigram': ngram.estimate_bigram(corpus, V, max_successors=8),
       'lookup': lookup.prompt_lookup(V),
       'lookup_smoothed': lookup.prompt_lookup(V, confidence=0.9, max_ngram=2),
+      'lookup_first': lookup.lookup_first(
+          llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3), min_ngram=2),
   }
 
 
 @pytest.mark.parametrize('kind,gamma', [('unigram', 4), ('bigram', 4), ('lookup', 4),
-                                        ('lookup_smoothed', 1)])
+                                        ('lookup_smoothed', 1), ('lookup_first', 3)])
 def test_greedy_speculative_equals_baseline(kind, gamma):
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=1)
   draft = _drafts()[kind]
@@ -228,6 +230,39 @@ def test_sampling_with_peaked_drafts_runs_clean():
                                        max_new_tokens=12)
     assert np.all(np.asarray(result.stop_reasons) == speclm.StopReason.MAX_NEW_TOKENS)
     assert np.all(np.asarray(result.lengths) == 12)
+
+
+def test_lookup_first_proposes_the_match_else_the_fallback():
+  fallback = llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3)
+  model = lookup.lookup_first(fallback, min_ngram=2)
+  d = model.definition
+  prompts = np.array([[3, 4, 5, 3, 4], [7, 8, 9, 10, 11]], np.int32)
+  lengths = np.array([5, 5], np.int32)
+  logits, cache = d.prefill(model.params, prompts, lengths, d.init_cache(2, 16))
+  plain, plain_cache = fallback.definition.prefill(
+      fallback.params, prompts, lengths, fallback.definition.init_cache(2, 16))
+  # Row 0 ends in "3 4", seen before and followed by 5: q is one-hot on 5.
+  assert int(jnp.argmax(logits[0])) == 5 and np.isneginf(np.delete(logits[0], 5)).all()
+  # Row 1 repeats nothing: the fallback's own logits.
+  np.testing.assert_array_equal(logits[1], plain[1])
+  # Extending row 1 with "10 11" creates a 2-gram match ("10 11" -> 10): one-hot again.
+  logits, cache = d.extend(model.params, np.array([[5, 6], [10, 11]], np.int32), cache)
+  assert int(jnp.argmax(logits[1, -1])) == 10 and np.isneginf(logits[1, -1]).sum() == V - 1
+  assert int(d.cache_lengths(cache)[0]) == 7
+  rolled = d.rollback(cache, jnp.array([5, 6], jnp.int32))
+  assert d.cache_lengths(rolled).tolist() == [5, 6]
+  assert rolled.history.lengths.tolist() == [5, 6]
+  del plain_cache
+
+
+def test_lookup_first_errors():
+  fallback = llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3)
+  with pytest.raises(ValueError, match='vocabulary'):
+    lookup.LookupFirst(fallback.definition, lookup.PromptLookup(V + 1))
+  from speclm.models import t5  # pylint: disable=import-outside-toplevel
+  encoder_decoder = t5.random_model(vocab_size=V)
+  with pytest.raises(ValueError, match='decoder-only'):
+    lookup.lookup_first(encoder_decoder)
 
 
 def test_drafts_are_protocol_models():

@@ -17,6 +17,7 @@ import speclm
 from speclm import speculative
 from speclm import testing
 from speclm.models import llama
+from speclm.models import lookup
 
 VOCAB = 6
 NEW_TOKENS = 3
@@ -39,7 +40,10 @@ def drafts(target):
   keys = jax.random.split(jax.random.key(9), len(leaves))
   related = jax.tree_util.tree_unflatten(
       tree, [x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-  return {'unrelated': unrelated, 'related': speclm.Model(target.definition, related)}
+  # Prompt lookup where a token of the context repeats (PROMPT has two 1s), else `unrelated`:
+  # one-hot and dense q mixed within one sequence.
+  return {'unrelated': unrelated, 'related': speclm.Model(target.definition, related),
+          'lookup_first': lookup.lookup_first(unrelated, min_ngram=1)}
 
 
 def _exact(target, sampling, num_tokens=NEW_TOKENS):
@@ -68,6 +72,7 @@ CASES = [
     ('t1_unrelated', speclm.SamplingConfig(temperature=1.0), 'unrelated', 3),
     ('t0.7_top3', speclm.SamplingConfig(temperature=0.7, top_k=3), 'related', 3),
     ('top_p0.8', speclm.SamplingConfig(top_p=0.8), 'unrelated', 2),
+    ('t1_lookup_first', speclm.SamplingConfig(temperature=1.0), 'lookup_first', 3),
 ]
 
 

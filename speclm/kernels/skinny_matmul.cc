@@ -9,12 +9,15 @@
 // padded), threads take whole panels, and each panel is multiplied into every row while it
 // sits in cache, eight rows at a time in registers.
 //
-// Each output element is summed over k in the same order for any number of rows, so a row's
-// result does not depend on which other rows share the call.
+// Each output element is summed over k in the same order for any number of rows, and by one
+// thread, so a row's result does not depend on which other rows share the call or on how the
+// panels were shared among threads.
 
-#include <omp.h>
-
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -65,8 +68,19 @@ void PanelAnyRows(int64_t rows, const float* x, int64_t k_dim, const float* pane
   }
 }
 
-ffi::Error SkinnyMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packed,
-                            ffi::ResultBuffer<ffi::F32> y) {
+// Panels are handed out one at a time from a shared counter, to the calling thread and to
+// helpers scheduled on XLA's own CPU thread pool (not OpenMP: a second pool of threads would
+// fight XLA's for the two cores, and waking it cost up to a third of a speculative round).
+// The caller works too and then waits until every claimed panel is written, so it is correct
+// whether or not a helper ever runs; a helper that starts late finds no panel left and only
+// touches the shared counters, which it co-owns.
+struct PanelQueue {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   const auto p_dims = packed.dimensions();
   if (x_dims.size() != 2 || p_dims.size() != 3 || p_dims[2] != kPanel ||
@@ -78,18 +92,28 @@ ffi::Error SkinnyMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packe
   const float* x_data = x.typed_data();
   const float* p_data = packed.typed_data();
   float* y_data = y->typed_data();
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    float block[kRowBlock * kPanel] __attribute__((aligned(64)));
-    const float* panel = p_data + p * k_dim * kPanel;
-    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-      const int64_t rows = m - r0 < kRowBlock ? m - r0 : kRowBlock;
-      PanelAnyRows(rows, x_data + r0 * k_dim, k_dim, panel, block);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < kPanel; ++j)
-          y_data[(r0 + r) * n_padded + p * kPanel + j] = block[r * kPanel + j];
+
+  auto queue = std::make_shared<PanelQueue>();
+  auto work = [=](PanelQueue* q) {
+    int64_t finished = 0;
+    for (int64_t p = q->next.fetch_add(1); p < panels; p = q->next.fetch_add(1)) {
+      float block[kRowBlock * kPanel] __attribute__((aligned(64)));
+      const float* panel = p_data + p * k_dim * kPanel;
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int64_t rows = m - r0 < kRowBlock ? m - r0 : kRowBlock;
+        PanelAnyRows(rows, x_data + r0 * k_dim, k_dim, panel, block);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < kPanel; ++j)
+            y_data[(r0 + r) * n_padded + p * kPanel + j] = block[r * kPanel + j];
+      }
+      ++finished;
     }
-  }
+    if (finished) q->done.fetch_add(finished, std::memory_order_release);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue, work] { work(queue.get()); });
+  work(queue.get());
+  while (queue->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -97,6 +121,7 @@ ffi::Error SkinnyMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> packe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SkinnyMatmul, SkinnyMatmulImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -64,7 +64,7 @@ def load_model(dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Mo
   """SmolLM2-135M-Instruct as a `speclm.protocol.Model` (cached: later calls are free).
 
   The tied output head is stored untied (`llama.untie_head`): identical logits, faster on CPU.
-  With `cpu_kernels`, projections of 2–16 rows run through `speclm.kernels.cpu_matmul`
+  With `cpu_kernels`, every projection runs through `speclm.kernels.cpu_matmul`
   (`llama.pack_for_cpu`; inference only, and a second copy of the weights); the demo job and
   the benchmark use it.
   """
