@@ -27,8 +27,8 @@ It prints the table and ratios and writes `docs/benchmarks.md` (never edit that 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -350,8 +350,7 @@ def main(argv):
   draft_alone = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
   draft, xla_draft = draft_alone, plain_draft
   if _LOOKUP_MIN_NGRAM.value:
-    wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value,
-                             max_ngram=max(3, _LOOKUP_MIN_NGRAM.value))
+    wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value)
     draft, xla_draft = wrap(draft_alone), wrap(plain_draft)
   tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
   prompts = builtin_prompts.demo_prompts()

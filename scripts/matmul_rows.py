@@ -21,7 +21,8 @@ from absl import flags
 from speclm.kernels import cpu_matmul
 
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Interleaved rounds.')
-_ROWS = flags.DEFINE_list('rows', ['1', '2', '4', '5', '8', '16', '32', '64'], 'Row counts to time.')
+_ROWS = flags.DEFINE_list('rows', ['1', '2', '4', '5', '8', '16', '32', '64'],
+                          'Row counts to time.')
 
 
 def main(argv):

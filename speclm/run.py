@@ -337,8 +337,7 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
   from speclm.models import smollm2_draft  # pylint: disable=g-import-not-at-top
   draft = smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
   if lookup_min_ngram:
-    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram,
-                                max_ngram=max(3, lookup_min_ngram))
+    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
   return draft
 
 

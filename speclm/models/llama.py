@@ -392,12 +392,13 @@ def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   """The same model with every projection also stored for `speclm.kernels.cpu_matmul`.
 
   Every projection then multiplies through the packed copy: one kernel for every row count,
-  so a row's product never depends on how many rows share the call. Calls of 2–16 rows (speculative verification, small
-  batches) stream the weights at the bandwidth of one row, where XLA's CPU matrix-matrix
-  kernel reaches about half of it; one row runs as fast as XLA's matrix-vector kernel; prompts
-  of 32+ rows run up to 1.3x slower than XLA's GEMM (docs/performance.md). Its float64 running
-  total makes the products more accurate than XLA's: SmolLM2's logits then agree with Hugging
-  Face's to < 1e-4 (1.5e-4 with XLA's products). The head is untied first
+  so a row's product never depends on how many rows share the call. Calls of 2–16 rows
+  (speculative verification, small batches) stream the weights at the bandwidth of one row,
+  where XLA's CPU matrix-matrix kernel reaches about half of it; one row runs as fast as XLA's
+  matrix-vector kernel; prompts of 32+ rows run up to 1.3x slower than XLA's GEMM
+  (docs/performance.md). Its float64 running total makes the products more accurate than
+  XLA's: SmolLM2's logits then agree with Hugging Face's to < 1e-4 (1.5e-4 with XLA's
+  products). The head is untied first
   (`untie_head`). Costs a second copy of the weights in memory. Inference only (the kernel
   has no gradient). Returns the model unchanged where the kernel is unavailable (not on CPU,
   or no C++ compiler; the reason is logged) and on more than one device.

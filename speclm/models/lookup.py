@@ -30,6 +30,19 @@ from speclm import protocol
 from speclm.models import ngram
 
 
+def _history_after_prefill(history: ngram.TokenHistory, inputs, input_lengths):
+  """The history holding the prompts, and the query position `[B, 1]` (each prompt's last)."""
+  history = ngram.write_prompt(history, inputs, input_lengths)
+  return history, (input_lengths - 1).astype(jnp.int32)[:, None]
+
+
+def _history_after_extend(history: ngram.TokenHistory, tokens):
+  """The history with `tokens` `[B, K]` appended, and their positions `[B, K]` as queries."""
+  start = history.lengths
+  history = ngram.append_tokens(history, tokens)
+  return history, start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptLookup(ngram.HistoryModel):
   """The prompt-lookup draft. See the module docstring."""
@@ -78,7 +91,9 @@ class PromptLookup(ngram.HistoryModel):
     proposal = jnp.take_along_axis(history, jnp.minimum(best + 1, capacity - 1), axis=1)
     return proposal.astype(jnp.int32), found
 
-  def _logits(self, history: jax.Array, positions: jax.Array) -> jax.Array:
+  def peaked_logits(self, history: jax.Array, positions: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """(float32 logits `[B, K, V]` peaked on each proposal, found `[B, K]`)."""
     proposal, found = self.propose(history, positions)
     v = self.vocab_size
     one_hot = jax.nn.one_hot(proposal, v, dtype=jnp.bool_)
@@ -87,19 +102,20 @@ class PromptLookup(ngram.HistoryModel):
     else:
       rest = (1.0 - self.confidence) / v
       peaked = jnp.where(one_hot, math.log(self.confidence + rest), math.log(rest))
-    return jnp.where(found[..., None], peaked, 0.0).astype(jnp.float32)  # uniform if no match
+    return peaked.astype(jnp.float32), found
+
+  def _logits(self, history: jax.Array, positions: jax.Array) -> jax.Array:
+    peaked, found = self.peaked_logits(history, positions)
+    return jnp.where(found[..., None], peaked, 0.0)  # uniform if no match
 
   def prefill(self, params, inputs, input_lengths, cache):
     del params
-    history = ngram.write_prompt(cache, inputs, input_lengths)
-    positions = (input_lengths - 1).astype(jnp.int32)[:, None]
+    history, positions = _history_after_prefill(cache, inputs, input_lengths)
     return self._logits(history.tokens, positions)[:, 0], history
 
   def extend(self, params, tokens, cache):
     del params
-    start = cache.lengths
-    history = ngram.append_tokens(cache, tokens)
-    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    history, positions = _history_after_extend(cache, tokens)
     return self._logits(history.tokens, positions), history
 
   def validate_params(self, params) -> None:
@@ -150,9 +166,7 @@ class LookupFirst(protocol.LanguageModel):
     return self.fallback.vocab_size
 
   def _combine(self, logits, history: ngram.TokenHistory, positions) -> jax.Array:
-    proposal, found = self.lookup.propose(history.tokens, positions)
-    one_hot = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
-    peaked = jnp.where(one_hot, 0.0, -jnp.inf)
+    peaked, found = self.lookup.peaked_logits(history.tokens, positions)
     return jnp.where(found[..., None], peaked, logits.astype(jnp.float32))
 
   def init_cache(self, batch_size: int, max_length: int) -> LookupFirstCache:
@@ -161,16 +175,13 @@ class LookupFirst(protocol.LanguageModel):
 
   def prefill(self, params, inputs, input_lengths, cache):
     logits, fallback_cache = self.fallback.prefill(params, inputs, input_lengths, cache.fallback)
-    history = ngram.write_prompt(cache.history, inputs, input_lengths)
-    positions = (input_lengths - 1).astype(jnp.int32)[:, None]
+    history, positions = _history_after_prefill(cache.history, inputs, input_lengths)
     logits = self._combine(logits[:, None], history, positions)[:, 0]
     return logits, LookupFirstCache(fallback_cache, history)
 
   def extend(self, params, tokens, cache):
     logits, fallback_cache = self.fallback.extend(params, tokens, cache.fallback)
-    start = cache.history.lengths
-    history = ngram.append_tokens(cache.history, tokens)
-    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    history, positions = _history_after_extend(cache.history, tokens)
     return self._combine(logits, history, positions), LookupFirstCache(fallback_cache, history)
 
   def prefix_length(self, input_lengths):
@@ -194,7 +205,12 @@ class LookupFirst(protocol.LanguageModel):
 
 
 def lookup_first(fallback: protocol.Model, *, min_ngram: int = 2,
-                 max_ngram: int = 3) -> protocol.Model:
-  """`fallback` with prompt lookup taking over where an n-gram of `min_ngram`+ tokens matches."""
+                 max_ngram: int | None = None) -> protocol.Model:
+  """`fallback` with prompt lookup taking over where an n-gram of `min_ngram`+ tokens matches.
+
+  `max_ngram` (longer matches win) defaults to max(3, min_ngram).
+  """
+  if max_ngram is None:
+    max_ngram = max(3, min_ngram)
   lookup = PromptLookup(fallback.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
   return protocol.Model(LookupFirst(fallback.definition, lookup), fallback.params)
