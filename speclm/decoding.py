@@ -15,7 +15,10 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
       1. draft: roll its cache back to C−2 positions and extend with [s_{C−2}, s_{C−1}] (the
          re-fed s_{C−2} is what lets the draft catch up after a round where all γ were kept,
          without a branch); then γ−1 single-token steps. γ draft calls give q̃_1…q̃_γ, x_1…x_γ.
-      2. target: one extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1}.
+         A `protocol.FeatureConditionedDraft` (EAGLE-style) also gets the target's features
+         of positions C−3 and C−2 with that re-feed, and its own predicted ones after it.
+      2. target: one extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1} (and its features
+         of those positions for a feature-conditioned draft).
       3. `speculative.speculative_round` -> n accepted and one more token t.
       4. the target cache keeps C−1+n+1 positions (rollback = lowering a length); x_1…x_n, t
          are appended and t becomes pending.
@@ -135,6 +138,9 @@ class _LoopState:
   draft_cache: protocol.Cache
   rng: jax.Array
   stats: DecodeStats
+  # [B, 2, D] the target's features before prev_token and pending_token, for a
+  # FeatureConditionedDraft; None for other drafts.
+  draft_features: jax.Array | None = None
 
   @property
   def active(self) -> jax.Array:
@@ -220,6 +226,15 @@ def speculative_decode(
         f'The draft and target vocabularies differ: draft has {draft.vocab_size} tokens, target'
         f' {target.vocab_size}. Speculative sampling compares their distributions token by'
         ' token, so they must share one vocabulary.')
+  if isinstance(draft.definition, protocol.FeatureConditionedDraft):
+    if not isinstance(target.definition, protocol.FeatureSource):
+      raise ValueError(
+          f'The draft ({type(draft.definition).__name__}) reads the target\'s features, but the'
+          f' target ({type(target.definition).__name__}) does not provide them'
+          ' (protocol.FeatureSource).')
+    if draft.definition.feature_dim != target.definition.feature_dim:
+      raise ValueError(f'The draft reads features of width {draft.definition.feature_dim}, the'
+                       f' target\'s are {target.definition.feature_dim} wide.')
   width = prompts.shape[1]
   if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
     raise ValueError(
@@ -331,11 +346,18 @@ def _bad(logits: jax.Array) -> jax.Array:
 
 
 def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
-           buffer_length, capacity, draft_cache, gamma) -> _LoopState:
-  """Prefills the target and draws the first token from its p̃ (shared by both loops)."""
+           buffer_length, capacity, draft_cache, gamma, with_features=False):
+  """Prefills the target and draws the first token from its p̃ (shared by both loops).
+
+  Returns the state, and with `with_features` also the target's features `[B, P, D]`.
+  """
   batch = prompts.shape[0]
   cache = target_def.init_cache(batch, capacity)
-  logits, cache = target_def.prefill(target_params, prompts, lengths, cache)
+  if with_features:
+    logits, features, cache = target_def.prefill_with_features(target_params, prompts, lengths,
+                                                               cache)
+  else:
+    logits, cache = target_def.prefill(target_params, prompts, lengths, cache)
   rng, first_key = jax.random.split(rng)
   first = sampling_lib.sample(first_key, sampling_lib.standardize(logits, sampling))
   stats = DecodeStats.zeros(batch, gamma)
@@ -351,7 +373,8 @@ def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sam
   tokens, num_generated, reasons = _append(state, first[:, None], jnp.ones((batch,), jnp.int32),
                                            limits, eos_id)
   reasons = jnp.where(_bad(logits), StopReason.BAD_LOGITS, reasons)
-  return state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
+  state = state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
+  return (state, features) if with_features else state
 
 
 def _finish(state: _LoopState, pad_id) -> DecodeResult:
@@ -400,22 +423,35 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
                   rng):
   """Phase 1 of Algorithm 1: γ draft calls -> (q̃ `[B, G, V]`, x `[B, G]`, draft cache)."""
   keys = jax.random.split(rng, gamma)
-  # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring).
+
+  def extend(tokens, features, cache):
+    """-> (logits, cache, the draft's predicted feature `[B, 1, D]` of the last position or
+    None for a draft that reads no features)."""
+    if features is None:
+      return draft_def.extend(draft_params, tokens, cache) + (None,)
+    logits, predicted, cache = draft_def.extend_with_features(draft_params, tokens, features,
+                                                              cache)
+    return logits, cache, predicted[:, -1:]
+
+  # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring),
+  # with the target's features before them for a feature-conditioned draft.
   cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
-  logits, cache = draft_def.extend(
-      draft_params, jnp.stack([state.prev_token, state.pending_token], axis=1), cache)
+  logits, cache, feature = extend(jnp.stack([state.prev_token, state.pending_token], axis=1),
+                                  state.draft_features, cache)
   first_probs = sampling_lib.standardize(logits[:, -1], sampling)
   first_token = sampling_lib.sample(keys[0], first_probs)
   bad = _bad(logits)
 
   def step(carry, key):
-    token, cache, bad = carry
-    logits, cache = draft_def.extend(draft_params, token[:, None], cache)
+    token, feature, cache, bad = carry
+    # Past the first proposal the true features are unknown: the draft reads its own.
+    logits, cache, feature = extend(token[:, None], feature, cache)
     probs = sampling_lib.standardize(logits[:, 0], sampling)
     next_token = sampling_lib.sample(key, probs)
-    return (next_token, cache, bad | _bad(logits)), (probs, next_token)
+    return (next_token, feature, cache, bad | _bad(logits)), (probs, next_token)
 
-  (_, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, cache, bad), keys[1:])
+  (_, _, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, feature, cache, bad),
+                                                     keys[1:])
   draft_probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
   draft_tokens = jnp.concatenate([first_token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
   return draft_probs, draft_tokens, cache, bad
@@ -426,10 +462,26 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
                       target_capacity, draft_capacity) -> DecodeResult:
   batch = prompts.shape[0]
   draft_cache = draft_def.init_cache(batch, draft_capacity)
-  _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
-  state = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
-                 buffer_length, target_capacity, draft_cache, gamma)
-  state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+  with_features = isinstance(draft_def, protocol.FeatureConditionedDraft)
+  if with_features:
+    state, features = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id,
+                             sampling, buffer_length, target_capacity, None, gamma,
+                             with_features=True)
+    # Feature k of the draft's input belongs to position k−1 (zeros before the first).
+    before = jnp.pad(features[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    draft_cache = draft_def.prefill_with_features(draft_params, prompts, lengths, before,
+                                                  draft_cache)
+    # prev_token is the prompt's last (position P−1), pending the first new one (position P).
+    last = (lengths - 1)[:, None, None]
+    state = state.replace(draft_features=jnp.concatenate(
+        [jnp.take_along_axis(before, last, axis=1), jnp.take_along_axis(features, last, axis=1)],
+        axis=1))
+  else:
+    _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
+    state = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
+                   buffer_length, target_capacity, None, gamma)
+  state = state.replace(draft_cache=draft_cache,
+                        stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
 
   def round_(state: _LoopState) -> _LoopState:
     target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
@@ -446,9 +498,12 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     draft_probs, drafted, draft_cache, draft_bad = _draft_tokens(
         draft_def, draft_params, state, target_lengths, gamma, sampling, draft_key)
     # 2. One parallel target call on [s_{C−1}, x_1, …, x_γ] gives p̃_1 … p̃_{γ+1}.
-    logits, target_cache = target_def.extend(
-        target_params, jnp.concatenate([state.pending_token[:, None], drafted], axis=1),
-        state.target_cache)
+    verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
+    if with_features:
+      logits, features, target_cache = target_def.extend_with_features(
+          target_params, verified, state.target_cache)
+    else:
+      logits, target_cache = target_def.extend(target_params, verified, state.target_cache)
     target_probs = sampling_lib.standardize(logits, sampling)
     # 3. Accept n of the guesses and draw one more token.
     uniforms = jax.random.uniform(uniform_key, (batch, gamma))
@@ -465,6 +520,16 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     # The token before the new pending one: x_n, or the old pending token when n = 0.
     prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
                                                 axis=1)[:, 0], state.pending_token)
+    draft_features = state.draft_features
+    if with_features:
+      # The features of positions C−1+n−1 and C−1+n come before the new prev and pending
+      # tokens; when n = 0, prev is the old pending token, whose feature is already known.
+      def feature_at(i):
+        return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
+      before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
+                              draft_features[:, 1])
+      draft_features = jnp.where(active[:, None, None],
+                                 jnp.stack([before_prev, feature_at(n)], axis=1), draft_features)
 
     # Statistics: β counts at positions 1 … min(n+1, γ), the ones the sequence reached.
     reached = (offsets[:, :gamma] <= n[:, None]) & active[:, None]
@@ -485,7 +550,7 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
         prev_token=jnp.where(active, prev, state.prev_token),
         pending_token=jnp.where(active, result.next_token, state.pending_token),
         stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
-        stats=stats)
+        stats=stats, draft_features=draft_features)
 
   state = jax.lax.while_loop(lambda s: jnp.any(s.active), round_, state)
   return _finish(state, pad_id)

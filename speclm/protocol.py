@@ -98,6 +98,52 @@ class WrappedLanguageModel(LanguageModel):
     return self.inner.cache_capacity(cache)
 
 
+class FeatureSource(abc.ABC):
+  """A model that can also hand out its final hidden states ("features", the inputs of its
+  output head), for a `FeatureConditionedDraft` to read. Llama targets are one."""
+
+  feature_dim: int
+
+  @abc.abstractmethod
+  def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
+                            cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
+    """`prefill` that also returns the features `[B, P, D]` of every input position."""
+
+  @abc.abstractmethod
+  def extend_with_features(self, params: Params, tokens: jax.Array,
+                           cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
+    """`extend` that also returns the features `[B, K, D]` of the K new positions."""
+
+
+class FeatureConditionedDraft(LanguageModel):
+  """A draft that reads a `FeatureSource` target's features as well as tokens (EAGLE-style).
+
+  `features[:, k]` always belongs to the position *before* `tokens[:, k]` (the feature from
+  which that token was predicted); zeros stand in before the first position. Decode loops
+  give it the target's features where they are known and its own predictions elsewhere.
+  """
+
+  feature_dim: int
+
+  @abc.abstractmethod
+  def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
+                            features: jax.Array, cache: Cache) -> Cache:
+    """Processes the inputs `[B, P]` with the features `[B, P, D]` before each; the cache."""
+
+  @abc.abstractmethod
+  def extend_with_features(self, params: Params, tokens: jax.Array, features: jax.Array,
+                           cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
+    """Appends `tokens` `[B, K]` with `features` `[B, K, D]` -> (logits `[B, K, V]`, the
+    draft's predicted features `[B, K, D]` for the same positions, cache)."""
+
+  def prefill(self, *args, **kwargs):
+    raise TypeError(f'{type(self).__name__} drafts from the target\'s features: use it through'
+                    ' speclm.speculative_decode with a target that provides them (a'
+                    ' protocol.FeatureSource such as a Llama model).')
+
+  extend = prefill  # the same error
+
+
 @struct.dataclass
 class Model:
   """A model definition bundled with its parameters; a pytree whose only leaves are params."""

@@ -16,6 +16,7 @@ import pytest
 import speclm
 from speclm import speculative
 from speclm import testing
+from speclm.models import eagle
 from speclm.models import llama
 from speclm.models import lookup
 
@@ -42,8 +43,10 @@ def drafts(target):
       tree, [x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
   # Prompt lookup where a token of the context repeats (PROMPT has two 1s), else `unrelated`:
   # one-hot and dense q mixed within one sequence.
+  # An EAGLE-style draft reads the target's features; its head covers 4 of the 6 tokens.
   return {'unrelated': unrelated, 'related': speclm.Model(target.definition, related),
-          'lookup_first': lookup.lookup_first(unrelated, min_ngram=1)}
+          'lookup_first': lookup.lookup_first(unrelated, min_ngram=1),
+          'eagle': eagle.random_draft(target, head_size=4, seed=3)}
 
 
 def _exact(target, sampling, num_tokens=NEW_TOKENS):
@@ -73,6 +76,7 @@ CASES = [
     ('t0.7_top3', speclm.SamplingConfig(temperature=0.7, top_k=3), 'related', 3),
     ('top_p0.8', speclm.SamplingConfig(top_p=0.8), 'unrelated', 2),
     ('t1_lookup_first', speclm.SamplingConfig(temperature=1.0), 'lookup_first', 3),
+    ('t1_eagle', speclm.SamplingConfig(temperature=1.0), 'eagle', 3),
 ]
 
 

@@ -278,7 +278,7 @@ class LlamaModule(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama(protocol.LanguageModel):
+class Llama(protocol.LanguageModel, protocol.FeatureSource):
   """`speclm.protocol.LanguageModel` for a `LlamaConfig`."""
 
   config: LlamaConfig
@@ -302,16 +302,30 @@ class Llama(protocol.LanguageModel):
     return KVCache(keys=jnp.zeros(shape, c.dtype), values=jnp.zeros(shape, c.dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
+  @property
+  def feature_dim(self) -> int:  # type: ignore[override]
+    return self.config.embed_dim
+
   def prefill(self, params, inputs, input_lengths, cache):
+    logits, _, cache = self.prefill_with_features(params, inputs, input_lengths, cache)
+    return logits, cache
+
+  def extend(self, params, tokens, cache):
+    logits, _, cache = self.extend_with_features(params, tokens, cache)
+    return logits, cache
+
+  # The features are the final hidden states, after the final norm: the head's inputs.
+  def prefill_with_features(self, params, inputs, input_lengths, cache):
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     hidden, cache = self.module.apply({'params': params}, inputs, cache)
     last = jnp.take_along_axis(hidden, (input_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = self.module.apply({'params': params}, last, method=LlamaModule.logits)[:, 0]
-    return logits, cache.replace(lengths=input_lengths.astype(jnp.int32))
+    return logits, hidden, cache.replace(lengths=input_lengths.astype(jnp.int32))
 
-  def extend(self, params, tokens, cache):
+  def extend_with_features(self, params, tokens, cache):
     hidden, cache = self.module.apply({'params': params}, tokens, cache)
-    return self.module.apply({'params': params}, hidden, method=LlamaModule.logits), cache
+    logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
+    return logits, hidden, cache
 
   def prefix_length(self, input_lengths):
     return input_lengths
@@ -326,7 +340,7 @@ class Llama(protocol.LanguageModel):
 
   def validate_params(self, params) -> None:
     expected = jax.eval_shape(self.init_params, jax.random.key(0))
-    _check_tree_shapes(expected, params)
+    check_tree_shapes(expected, params)
 
   def param_logical_axes(self) -> dict:
     """Logical axis names of every parameter (a tree like the params, tuples as leaves), for
@@ -353,7 +367,8 @@ class Llama(protocol.LanguageModel):
     return KVCache(keys=kv, values=kv, lengths=('batch',))
 
 
-def _check_tree_shapes(expected, actual) -> None:
+def check_tree_shapes(expected, actual) -> None:
+  """Raises ValueError naming the first missing, unexpected or misshapen parameters."""
   flat_expected = {jax.tree_util.keystr(k): v for k, v in
                    jax.tree_util.tree_flatten_with_path(expected)[0]}
   flat_actual = {jax.tree_util.keystr(k): v for k, v in
@@ -403,23 +418,31 @@ def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   has no gradient). Returns the model unchanged where the kernel is unavailable (not on CPU,
   or no C++ compiler; the reason is logged) and on more than one device.
   """
-  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-  if (jnp.dtype(model.definition.config.dtype) != jnp.float32 or jax.device_count() > 1
-      or not cpu_matmul.available()):
+  if not cpu_kernels_usable(model.definition.config.dtype):
     return model  # several devices: leave the parameters as the sharding rules expect them
   model = untie_head(model)
+  return protocol.Model(model.definition, pack_tree_for_cpu(dict(model.params)))
 
-  def walk(tree, name=None):
-    if not isinstance(tree, dict):
-      return tree
-    out = {key: walk(value, key) for key, value in tree.items()}
-    if 'kernel' in tree and not isinstance(tree['kernel'], dict):
-      kernel = np.asarray(tree['kernel'], np.float32)
-      inputs = math.prod(kernel.shape[:_INPUT_DIMS.get(name, 1)])
-      out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1)))
-    return out
 
-  return protocol.Model(model.definition, walk(dict(model.params)))
+def cpu_kernels_usable(dtype) -> bool:
+  """Whether `cpu_matmul` can serve a model of activation `dtype` here (float32, one CPU
+  device, the kernel built)."""
+  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  return (jnp.dtype(dtype) == jnp.float32 and jax.device_count() == 1
+          and cpu_matmul.available())
+
+
+def pack_tree_for_cpu(tree, name=None):
+  """A parameter tree with a `packed` copy beside every `kernel` (see `pack_for_cpu`)."""
+  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  if not isinstance(tree, dict):
+    return tree
+  out = {key: pack_tree_for_cpu(value, key) for key, value in tree.items()}
+  if 'kernel' in tree and not isinstance(tree['kernel'], dict):
+    kernel = np.asarray(tree['kernel'], np.float32)
+    inputs = math.prod(kernel.shape[:_INPUT_DIMS.get(name, 1)])
+    out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1)))
+  return out
 
 
 def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2, seed: int = 0,

@@ -19,12 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from speclm import protocol
+from speclm.models import eagle
 from speclm.models import layers
 from speclm.models import llama
 from speclm.models import subset_vocab
 
-DRAFT_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'assets', 'smollm2_draft')
+_ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'assets')
+DRAFT_DIR = os.path.join(_ASSETS, 'smollm2_draft')
 WEIGHTS_FILE = 'draft.safetensors'
+# The EAGLE-style draft (`speclm.models.eagle`, made by scripts/train_smollm2_eagle.py).
+EAGLE_DIR = os.path.join(_ASSETS, 'smollm2_eagle')
+EAGLE_FILE = 'eagle.safetensors'
 
 
 def draft_config(target_config: llama.LlamaConfig, num_layers: int, subset_size: int,
@@ -102,3 +107,14 @@ def load(target: protocol.Model, path: str | None = None,
     raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
                      f' {num_layers}.')
   return assemble(target, trained, subset_ids, num_layers, dtype, cpu_kernels)
+
+
+def load_eagle(target: protocol.Model, path: str | None = None,
+               cpu_kernels: bool = False) -> protocol.Model:
+  """The shipped (or a given) EAGLE-style draft for `target` = SmolLM2-135M."""
+  trained, head_ids, metadata = read(path or os.path.join(EAGLE_DIR, EAGLE_FILE))
+  num_layers = sum(1 for k in trained if k.startswith('layers_'))
+  if metadata.get('num_layers', num_layers) != num_layers:
+    raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
+                     f' {num_layers}.')
+  return eagle.make(target, trained, head_ids, num_layers, cpu_kernels)

