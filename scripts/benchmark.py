@@ -95,6 +95,20 @@ class _BeforeSampling(sampling_lib.SamplingConfig):
   """Equal fields, another class: its own entry in the decode loops' compilation cache."""
 
 
+def _float32_panels(model):
+  """`model` with its bfloat16 kernel panels widened to float32: the same values (so the same
+  outputs), twice the bytes to read; the draft as it ran before bfloat16 panels."""
+  def widen(tree):
+    out = {}
+    for key, value in tree.items():
+      if key == 'packed':
+        out[key] = value.astype(jnp.float32)
+      else:
+        out[key] = widen(value) if isinstance(value, dict) else value
+    return out
+  return speclm.protocol.Model(model.definition, widen(dict(model.params)))
+
+
 def _gumbel_sample(rng, probs):
   """The sampler before this change: Gumbel-max over the whole vocabulary."""
   log_probs = jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
@@ -152,7 +166,7 @@ def _prompt_batch(tok, prompts, width: int):
 
 
 def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=None,
-                 draft_alone=None) -> list[Case]:
+                 draft_alone=None, float32_draft=None) -> list[Case]:
   width = max(len(tok.encode_chat(p)) for p in prompts)
   single = [_prompt_batch(tok, [p], width) for p in prompts]
   batch = _prompt_batch(tok, (prompts * _BATCH.value)[:_BATCH.value], width)
@@ -202,6 +216,9 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=No
       cases += [make('speculative, trained draft alone (before)', 'ablation', batch_size,
                      sampling, target, draft_alone)
                 for batch_size, sampling in ((1, GREEDY), (1, SAMPLED), (_BATCH.value, GREEDY))]
+    if float32_draft is not None:
+      cases += [make('speculative, float32 draft panels (before)', 'ablation', batch_size,
+                     GREEDY, target, float32_draft) for batch_size in (1, _BATCH.value)]
     if tied_target is not None:
       cases.append(make('baseline, XLA products, tied [V, D] head (before)', 'ablation', 1,
                         GREEDY, tied_target))
@@ -352,13 +369,19 @@ def main(argv):
   if _LOOKUP_MIN_NGRAM.value:
     wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value)
     draft, xla_draft = wrap(draft_alone), wrap(plain_draft)
+  float32_draft = None
+  if _CPU_KERNELS.value and _ABLATIONS.value:
+    float32_draft = _float32_panels(draft_alone)
+    if _LOOKUP_MIN_NGRAM.value:
+      float32_draft = wrap(float32_draft)
   tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
   prompts = builtin_prompts.demo_prompts()
 
   xla_models = (plain_target, xla_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None
   cases = speclm_cases(target, draft, tok, prompts, tied_target=tied_target,
                        xla_models=xla_models,
-                       draft_alone=draft_alone if _LOOKUP_MIN_NGRAM.value else None)
+                       draft_alone=draft_alone if _LOOKUP_MIN_NGRAM.value else None,
+                       float32_draft=float32_draft)
   export_error = None
   if _HF.value:
     cases += hf_cases(plain_target, plain_draft, tok, prompts)
@@ -474,6 +497,8 @@ def main(argv):
         ('speculative, trained draft alone (before)', 'speclm speculative', 1, 0.0),
         ('speculative, trained draft alone (before)', 'speclm speculative', 1, 1.0),
         ('speculative, trained draft alone (before)', 'speclm speculative', _BATCH.value, 0.0),
+        ('speculative, float32 draft panels (before)', 'speclm speculative', 1, 0.0),
+        ('speculative, float32 draft panels (before)', 'speclm speculative', _BATCH.value, 0.0),
         ('baseline, XLA products, tied [V, D] head (before)', 'baseline, XLA products (before)',
          1, 0.0),
         ('baseline, XLA products (before)', 'speclm baseline', 1, 0.0),

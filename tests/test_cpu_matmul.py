@@ -52,6 +52,36 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(matmul(x[r:r + 3], packed, 130))[0], whole[r])
 
 
+@pytest.mark.parametrize('rows', [1, 3, 8, 13])
+def test_bfloat16_panels_give_the_float32_kernels_sums_bit_for_bit(rows):
+  """Weights that are bfloat16 values: half the bytes, the very same result."""
+  rng = np.random.default_rng(rows)
+  x = rng.standard_normal((rows, 200)).astype(np.float32)
+  w = rng.standard_normal((200, 150)).astype(jax.numpy.bfloat16).astype(np.float32)
+  matmul = jax.jit(cpu_matmul.matmul, static_argnums=2)
+  packed = cpu_matmul.pack(w, 'bfloat16')
+  assert packed.dtype == jax.numpy.bfloat16 and packed.nbytes == cpu_matmul.pack(w).nbytes // 2
+  np.testing.assert_array_equal(np.asarray(matmul(x, packed, 150)),
+                                np.asarray(matmul(x, cpu_matmul.pack(w), 150)))
+  exact = x.astype(np.float64) @ w.astype(np.float64)
+  assert np.abs(np.asarray(matmul(x, packed, 150)) - exact).max() < 1e-4
+
+
+def test_auto_packs_bfloat16_only_where_it_is_lossless():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((40, 70)).astype(np.float32)
+  assert not cpu_matmul.bfloat16_exact(w)
+  assert cpu_matmul.pack(w, 'auto').dtype == np.float32
+  rounded = w.astype(jax.numpy.bfloat16).astype(np.float32)
+  assert cpu_matmul.bfloat16_exact(rounded)
+  assert cpu_matmul.pack(rounded, 'auto').dtype == jax.numpy.bfloat16
+  # Rounding on request: the panels hold the rounded weights.
+  np.testing.assert_array_equal(
+      np.asarray(cpu_matmul.pack(w, 'bfloat16'), np.float32)[0, :, :], rounded[:, :64])
+  with pytest.raises(ValueError, match='dtype'):
+    cpu_matmul.pack(w, 'float16')
+
+
 def test_pack_layout_and_errors():
   w = np.arange(6 * 70, dtype=np.float32).reshape(6, 70)
   packed = cpu_matmul.pack(w)
@@ -62,6 +92,8 @@ def test_pack_layout_and_errors():
     cpu_matmul.pack(np.zeros((2, 3, 4), np.float32))
   with pytest.raises(TypeError, match='float32'):
     cpu_matmul.matmul(jax.numpy.zeros((2, 6), jax.numpy.bfloat16), packed, 70)
+  with pytest.raises(TypeError, match='float32'):
+    cpu_matmul.matmul(jax.numpy.zeros((2, 6)), packed.astype(np.float16), 70)
 
 
 def _models():
@@ -85,6 +117,18 @@ def test_packed_model_uses_the_kernel_for_every_row_count():
   tokens = np.zeros((1, 3), np.int32)
   assert cpu_matmul.TARGET_NAME not in str(
       jax.make_jaxpr(target.definition.forward)(target.params, tokens))  # plain: XLA's dots
+
+
+def test_a_model_stored_in_bfloat16_is_packed_in_bfloat16_with_the_same_logits():
+  _, draft = _models()
+  rounded = jax.tree.map(lambda a: a.astype(jax.numpy.bfloat16).astype(np.float32),
+                         dict(draft.params))
+  draft = speclm.protocol.Model(draft.definition, rounded)
+  packed = llama.pack_for_cpu(draft)
+  assert packed.params['layers_0']['mlp']['gate']['packed'].dtype == jax.numpy.bfloat16
+  tokens = np.array([[5, 6, 7, 8, 9]], np.int32)
+  np.testing.assert_allclose(packed.definition.forward(packed.params, tokens),
+                             draft.definition.forward(draft.params, tokens), atol=1e-5)
 
 
 def test_packed_model_gives_the_same_logits_and_exact_speculative_decoding():

@@ -10,6 +10,11 @@ thread pool, and a float64 running total, so it is more accurate than XLA's prod
       packed = cpu_matmul.pack(w)          # [K, N] -> [ceil(N/64), K, 64], once, at load time
       y = cpu_matmul.matmul(x, packed, n)  # x [M, K] float32 -> [M, N]
 
+The panels are float32, or bfloat16 (`pack(w, 'bfloat16')`): half the bytes to stream, widened
+to float32 as they are read, so the sums are those of the float32 kernel on the same values.
+`pack(w, 'auto')` takes bfloat16 exactly when that loses nothing (every weight is a bfloat16
+value, as in a draft trained and stored in bfloat16).
+
 The kernel is compiled with the system C++ compiler on first use (for this machine's CPU:
 -march=native) into a cache directory, `$SPECLM_KERNEL_CACHE` or ~/.cache/speclm/kernels, and
 registered with `jax.ffi`. `available()` is False, with the reason logged once, where that is
@@ -35,6 +40,8 @@ from absl import logging
 
 PANEL = 64
 TARGET_NAME = 'speclm_skinny_matmul'
+_TARGETS = {'float32': (TARGET_NAME, 'SkinnyMatmul'),
+            'bfloat16': (TARGET_NAME + '_bf16', 'SkinnyMatmulBf16')}
 _SOURCE = os.path.join(os.path.dirname(__file__), 'skinny_matmul.cc')
 
 
@@ -87,31 +94,49 @@ def available() -> bool:
   except (OSError, RuntimeError) as e:
     logging.warning('cpu_matmul: kernel unavailable, using XLA products (%s)', e)
     return False
-  jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.SkinnyMatmul),
-                              platform='cpu')
+  for name, symbol in _TARGETS.values():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
+                                platform='cpu')
   return True
 
 
-def pack(w) -> np.ndarray:
-  """`[K, N]` weights -> `[ceil(N / 64), K, 64]` float32 panels (zero padded on the right)."""
+def bfloat16_exact(w) -> bool:
+  """Whether every entry of `w` is a bfloat16 value (so storing it as bfloat16 is lossless)."""
+  w = np.asarray(w, np.float32)
+  return bool(np.array_equal(w.astype(jnp.bfloat16).astype(np.float32), w, equal_nan=True))
+
+
+def pack(w, dtype: str = 'float32') -> np.ndarray:
+  """`[K, N]` weights -> `[ceil(N / 64), K, 64]` panels (zero padded on the right).
+
+  `dtype`: 'float32'; 'bfloat16' (rounds the weights to bfloat16); or 'auto': bfloat16 where
+  that is exact (`bfloat16_exact`), float32 otherwise.
+  """
   w = np.asarray(w, np.float32)
   if w.ndim != 2:
     raise ValueError(f'pack expects a 2-D weight matrix, got shape {w.shape}.')
+  if dtype == 'auto':
+    dtype = 'bfloat16' if bfloat16_exact(w) else 'float32'
+  if dtype not in _TARGETS:
+    raise ValueError(f"pack: dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}.")
   k, n = w.shape
   panels = -(-n // PANEL)
   padded = np.zeros((k, panels * PANEL), np.float32)
   padded[:, :n] = w
-  return np.ascontiguousarray(padded.reshape(k, panels, PANEL).transpose(1, 0, 2))
+  panels_first = padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
+  return np.ascontiguousarray(panels_first.astype(jnp.dtype(dtype)))
 
 
 def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
-  """`x [M, K] @ W` for `packed = pack(W)`, `W` of shape `[K, n]`; float32 in and out."""
+  """`x [M, K] @ W` for `packed = pack(W)`, `W` of shape `[K, n]`; float32 x and result,
+  float32 or bfloat16 panels."""
   if not available():
     raise RuntimeError('cpu_matmul.matmul needs the kernel; check cpu_matmul.available().')
-  if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-    raise TypeError(f'cpu_matmul works in float32, got {x.dtype} and {packed.dtype}.')
+  if x.dtype != jnp.float32 or packed.dtype.name not in _TARGETS:
+    raise TypeError('cpu_matmul takes float32 x and float32 or bfloat16 panels, got '
+                    f'{x.dtype} and {packed.dtype}.')
   m = x.shape[0]
-  out = jax.ffi.ffi_call(TARGET_NAME,
+  out = jax.ffi.ffi_call(_TARGETS[packed.dtype.name][0],
                          jax.ShapeDtypeStruct((m, packed.shape[0] * PANEL), jnp.float32))(
                              x, packed)
   return out if out.shape[1] == n else out[:, :n]

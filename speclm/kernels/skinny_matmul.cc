@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] @ w for float32 x and a weight matrix packed in column panels.
+// y[M, N] = x[M, K] @ w for float32 x and a weight matrix packed in column panels, stored as
+// float32 or as bfloat16 (widened to float32 as it is read: half the bytes, the same sums).
 //
 // XLA's CPU backend multiplies one row by a weight matrix with its own matrix-vector kernel,
 // at memory bandwidth, but hands 2 to 8 rows to a general matrix-matrix kernel that runs at
@@ -16,8 +17,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -29,8 +32,17 @@ constexpr int64_t kPanel = 64;
 constexpr int64_t kRowBlock = 8;
 constexpr int64_t kSumBlock = 32;
 
-template <int64_t kRows>
-void PanelRows(const float* x, int64_t k_dim, const float* panel, float* acc_out) {
+// A bfloat16 weight (raw bits) as float32: bfloat16 is the top half of the float32 with the
+// same value, so widening is exact.
+inline float Widen(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <int64_t kRows, typename W>
+void PanelRows(const float* x, int64_t k_dim, const W* panel, float* acc_out) {
   // Blocked summation: float32 partial sums over 32 consecutive k, added to a float64 total
   // that is rounded once at the end. Long sums of large terms with cancellation (SmolLM2's
   // "massive activations" reach 2e4) then round like a short sum: about 5x less error than a
@@ -40,7 +52,15 @@ void PanelRows(const float* x, int64_t k_dim, const float* panel, float* acc_out
     const int64_t k1 = k0 + kSumBlock < k_dim ? k0 + kSumBlock : k_dim;
     float acc[kRows][kPanel] __attribute__((aligned(64))) = {};
     for (int64_t k = k0; k < k1; ++k) {
-      const float* w = panel + k * kPanel;
+      const float* w;
+      float widened[kPanel] __attribute__((aligned(64)));
+      if constexpr (std::is_same_v<W, float>) {
+        w = panel + k * kPanel;
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < kPanel; ++j) widened[j] = Widen(panel[k * kPanel + j]);
+        w = widened;
+      }
       for (int64_t r = 0; r < kRows; ++r) {
         const float xv = x[r * k_dim + k];
 #pragma omp simd
@@ -55,7 +75,8 @@ void PanelRows(const float* x, int64_t k_dim, const float* panel, float* acc_out
     for (int64_t j = 0; j < kPanel; ++j) acc_out[r * kPanel + j] = static_cast<float>(total[r][j]);
 }
 
-void PanelAnyRows(int64_t rows, const float* x, int64_t k_dim, const float* panel, float* out) {
+template <typename W>
+void PanelAnyRows(int64_t rows, const float* x, int64_t k_dim, const W* panel, float* out) {
   switch (rows) {
     case 1: return PanelRows<1>(x, k_dim, panel, out);
     case 2: return PanelRows<2>(x, k_dim, panel, out);
@@ -79,8 +100,9 @@ struct PanelQueue {
   std::atomic<int64_t> done{0};
 };
 
+template <ffi::DataType kWeightType>
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<kWeightType> packed, ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
   const auto p_dims = packed.dimensions();
   if (x_dims.size() != 2 || p_dims.size() != 3 || p_dims[2] != kPanel ||
@@ -90,7 +112,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t m = x_dims[0], k_dim = x_dims[1], panels = p_dims[0];
   const int64_t n_padded = panels * kPanel;
   const float* x_data = x.typed_data();
-  const float* p_data = packed.typed_data();
+  const auto* p_data = packed.typed_data();
   float* y_data = y->typed_data();
 
   auto queue = std::make_shared<PanelQueue>();
@@ -98,7 +120,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     int64_t finished = 0;
     for (int64_t p = q->next.fetch_add(1); p < panels; p = q->next.fetch_add(1)) {
       float block[kRowBlock * kPanel] __attribute__((aligned(64)));
-      const float* panel = p_data + p * k_dim * kPanel;
+      const auto* panel = p_data + p * k_dim * kPanel;
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int64_t rows = m - r0 < kRowBlock ? m - r0 : kRowBlock;
         PanelAnyRows(rows, x_data + r0 * k_dim, k_dim, panel, block);
@@ -119,9 +141,16 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SkinnyMatmul, SkinnyMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SkinnyMatmul, SkinnyMatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SkinnyMatmulBf16, SkinnyMatmulImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -145,7 +145,8 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
          cpu_kernels: bool = False) -> protocol.Model:
   """An EAGLE draft `Model` for a Llama `target` from trained module parameters (`fuse`,
   `layers_{i}`); the head is the target's embedding rows `head_ids`. `cpu_kernels`: pack the
-  products for `speclm.kernels.cpu_matmul` (inference only, see `llama.pack_for_cpu`)."""
+  products for `speclm.kernels.cpu_matmul` (inference only, see `llama.pack_for_cpu`; the
+  head's panels rounded to bfloat16)."""
   target_config = target.definition.config
   config = draft_config(target_config, num_layers, len(head_ids), target_config.dtype)
   definition = EagleDraft(config, target.vocab_size)
@@ -157,7 +158,7 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
   llama.check_tree_shapes(expected, definition.trained(params))
   if cpu_kernels and llama.cpu_kernels_usable(config.dtype):
     params = dict(params)
-    params.update(llama.pack_tree_for_cpu(definition.trained(params)))
+    params.update(llama.pack_tree_for_cpu(definition.trained(params), rounded=('head',)))
   return protocol.Model(definition, params)
 
 

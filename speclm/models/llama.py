@@ -403,7 +403,7 @@ def untie_head(model: protocol.Model) -> protocol.Model:
   return protocol.Model(definition, params)
 
 
-def pack_for_cpu(model: protocol.Model) -> protocol.Model:
+def pack_for_cpu(model: protocol.Model, bfloat16_head: bool = False) -> protocol.Model:
   """The same model with every projection also stored for `speclm.kernels.cpu_matmul`.
 
   Every projection then multiplies through the packed copy: one kernel for every row count,
@@ -417,11 +417,17 @@ def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   (`untie_head`). Costs a second copy of the weights in memory. Inference only (the kernel
   has no gradient). Returns the model unchanged where the kernel is unavailable (not on CPU,
   or no C++ compiler; the reason is logged) and on more than one device.
+
+  Panels are bfloat16 where that is exact (weights stored in bfloat16, as a trained draft's),
+  float32 elsewhere. `bfloat16_head` rounds the head's panels to bfloat16 as well: half the
+  bytes of the largest matrix, slightly different logits. Meant for drafts, whose q may be any
+  distribution (paper §3.6); a target's logits must stay as they are.
   """
   if not cpu_kernels_usable(model.definition.config.dtype):
     return model  # several devices: leave the parameters as the sharding rules expect them
   model = untie_head(model)
-  return protocol.Model(model.definition, pack_tree_for_cpu(dict(model.params)))
+  rounded = ('lm_head',) if bfloat16_head else ()
+  return protocol.Model(model.definition, pack_tree_for_cpu(dict(model.params), rounded=rounded))
 
 
 def cpu_kernels_usable(dtype) -> bool:
@@ -432,16 +438,18 @@ def cpu_kernels_usable(dtype) -> bool:
           and cpu_matmul.available())
 
 
-def pack_tree_for_cpu(tree, name=None):
-  """A parameter tree with a `packed` copy beside every `kernel` (see `pack_for_cpu`)."""
+def pack_tree_for_cpu(tree, name=None, rounded: tuple[str, ...] = ()):
+  """A parameter tree with a `packed` copy beside every `kernel` (see `pack_for_cpu`):
+  bfloat16 panels where that is exact or the module's name is in `rounded`, else float32."""
   from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
   if not isinstance(tree, dict):
     return tree
-  out = {key: pack_tree_for_cpu(value, key) for key, value in tree.items()}
+  out = {key: pack_tree_for_cpu(value, key, rounded) for key, value in tree.items()}
   if 'kernel' in tree and not isinstance(tree['kernel'], dict):
     kernel = np.asarray(tree['kernel'], np.float32)
     inputs = math.prod(kernel.shape[:_INPUT_DIMS.get(name, 1)])
-    out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1)))
+    dtype = 'bfloat16' if name in rounded else 'auto'
+    out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1), dtype))
   return out
 
 

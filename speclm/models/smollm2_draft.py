@@ -56,7 +56,8 @@ def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
   """A full-vocabulary draft `Model` from its trained parameters and the target's embeddings.
 
   `trained` holds `layers_{i}`, `final_norm` and `other_embedding` (`[D]`). `cpu_kernels`:
-  see `llama.pack_for_cpu` (inference only).
+  see `llama.pack_for_cpu` (inference only; the layers' panels are bfloat16 as stored, the
+  head's rounded to bfloat16).
   """
   config = draft_config(target.definition.config, num_layers, len(subset_ids), dtype)
   inner_params = {k: v for k, v in trained.items() if k != 'other_embedding'}
@@ -66,7 +67,10 @@ def assemble(target: protocol.Model, trained: dict[str, Any], subset_ids,
                                         inner_params)
   inner = protocol.Model(llama.Llama(config), inner_params)
   inner.definition.validate_params(inner.params)
-  inner = llama.pack_for_cpu(inner) if cpu_kernels else llama.untie_head(inner)
+  # The head's panels are rounded to bfloat16 (its rows are the target's Q8_0 embeddings, not
+  # bfloat16 values): a draft may be any model, and this halves its largest matrix.
+  inner = (llama.pack_for_cpu(inner, bfloat16_head=True) if cpu_kernels
+           else llama.untie_head(inner))
   return subset_vocab.wrap(inner, subset_ids, target.vocab_size)
 
 
