@@ -64,6 +64,8 @@ _WIDTH_BUCKET = flags.DEFINE_integer('width_bucket', 32, 'Batches are padded to 
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed for initialisation, shuffling and evaluation.')
 _GAMMA = flags.DEFINE_integer('gamma', 3, 'γ used when measuring α.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'New tokens per prompt when measuring α.')
+_EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16,
+                                     'Held-out prompts for α (and at most this many demo ones).')
 
 
 def _shards(pattern: str) -> list[str]:
@@ -100,12 +102,12 @@ def features(target) -> None:
     start = time.time()
     with np.load(shard) as data:
       tokens = data['tokens']
-    rows, step = len(tokens), _FEATURE_BATCH.value
-    tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(tokens.shape[1]) - tokens.shape[1])])
+    (rows, width), step = tokens.shape, _FEATURE_BATCH.value
+    tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(width) - width)])
     feats = [np.asarray(hidden(target.params, jnp.asarray(tokens[i:i + step])), np.float16)
              for i in range(0, len(tokens), step)]
     tmp = out + '.tmp.npz'
-    np.savez(tmp, features=np.concatenate(feats)[:rows], seconds=time.time() - start)
+    np.savez(tmp, features=np.concatenate(feats)[:rows, :width], seconds=time.time() - start)
     os.replace(tmp, out)
     logging.info('features of %s in %.1fs', os.path.basename(shard), time.time() - start)
 
@@ -257,8 +259,11 @@ def measure_alpha(target, draft, tok, prompts) -> dict[str, float]:
 def evaluate(target, tok, trained, head_ids, metadata: dict) -> dict:
   draft = eagle.make(target, trained, head_ids, metadata['num_layers'])
   metadata = dict(metadata, gamma=_GAMMA.value, max_new_tokens_alpha=_MAX_NEW.value)
-  metadata['heldout'] = measure_alpha(target, draft, tok, builtin_prompts.heldout_prompts())
-  metadata['demo'] = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts())
+  heldout = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
+  demo = builtin_prompts.demo_prompts()[:_EVAL_PROMPTS.value]
+  metadata['heldout'] = dict(prompts=len(heldout),
+                             **measure_alpha(target, draft, tok, heldout))
+  metadata['demo'] = dict(prompts=len(demo), **measure_alpha(target, draft, tok, demo))
   logging.info('α: held-out %s, demo %s', metadata['heldout'], metadata['demo'])
   return metadata
 
@@ -267,9 +272,9 @@ def model_card(m: dict, file_bytes: int) -> str:
   rows = '\n'.join(
       f'| {label} | {m[key]["alpha_t0"]:.3f} | {m[key]["tokens_per_call_t0"]:.2f} |'
       f' {m[key]["alpha_t1"]:.3f} | {m[key]["tokens_per_call_t1"]:.2f} |'
-      for key, label in (('heldout', f'{len(builtin_prompts.heldout_prompts())} held-out'
-                                      ' prompts (topics absent from training)'),
-                         ('demo', f'the {len(builtin_prompts.demo_prompts())} demo prompts')))
+      for key, label in (('heldout', f'{m["heldout"]["prompts"]} held-out prompts (topics'
+                                      ' absent from training)'),
+                         ('demo', f'{m["demo"]["prompts"]} demo prompts')))
   return f"""# SmolLM2-135M-Instruct EAGLE-style draft (speclm)
 
 A feature-conditioned draft M_q (`speclm.models.eagle`) for SmolLM2-135M-Instruct, made by
