@@ -1,8 +1,9 @@
 r"""Times SmolLM2-sized layer products for 1–64 rows: XLA's CPU dot against cpu_matmul.
 
-The 30 [576, 1536] float32 matrices (106 MB, more than the caches hold) are multiplied by the
-same rows, interleaved round by round; medians in ms. XLA's one-row product is its
-matrix-vector kernel; from two rows on it is a matrix-matrix kernel (docs/performance.md).
+The 30 [576, 1536] matrices (106 MB in float32, more than the caches hold; their values are
+bfloat16 values) are multiplied by the same rows, interleaved round by round; medians in ms.
+XLA's one-row product is its matrix-vector kernel; from two rows on it is a matrix-matrix
+kernel (docs/performance.md). The kernel runs over float32 and over bfloat16 panels.
 
   python scripts/matmul_rows.py
 """
@@ -31,16 +32,19 @@ def main(argv):
     raise SystemExit('The CPU kernel could not be built here (see the log).')
   d, n, count = 576, 1536, 30
   rng = np.random.default_rng(0)
-  weights = [rng.standard_normal((d, n)).astype(np.float32) for _ in range(count)]
+  weights = [rng.standard_normal((d, n)).astype(jnp.bfloat16).astype(np.float32)
+             for _ in range(count)]
   plain = [jnp.asarray(w) for w in weights]
   packed = [jnp.asarray(cpu_matmul.pack(w)) for w in weights]
+  packed_bf16 = [jnp.asarray(cpu_matmul.pack(w, 'bfloat16')) for w in weights]
   xla = jax.jit(lambda x, ws: sum((x @ w).sum() for w in ws))
   kernel = jax.jit(lambda x, ws: sum(cpu_matmul.matmul(x, p, n).sum() for p in ws))
   times = {}
   for _ in range(_ROUNDS.value):
     for rows in map(int, _ROWS.value):
       x = jnp.asarray(rng.standard_normal((rows, d)).astype(np.float32))
-      for name, fn, ws in (('xla', xla, plain), ('kernel', kernel, packed)):
+      for name, fn, ws in (('xla', xla, plain), ('kernel', kernel, packed),
+                           ('bf16', kernel, packed_bf16)):
         fn(x, ws).block_until_ready()
         samples = []
         for _ in range(10):
@@ -49,11 +53,11 @@ def main(argv):
           samples.append(time.perf_counter() - start)
         times.setdefault((name, rows), []).append(statistics.median(samples) * 1e3)
   one_row = statistics.median(times[('xla', 1)])
-  print('| rows | XLA ms | kernel ms | kernel / XLA one row |')
-  print('| --- | --- | --- | --- |')
+  print('| rows | XLA ms | kernel ms | kernel / XLA one row | kernel, bfloat16 panels, ms |')
+  print('| --- | --- | --- | --- | --- |')
   for rows in map(int, _ROWS.value):
-    a, b = (statistics.median(times[(k, rows)]) for k in ('xla', 'kernel'))
-    print(f'| {rows} | {a:.2f} | {b:.2f} | {b / one_row:.2f} |')
+    a, b, c = (statistics.median(times[(k, rows)]) for k in ('xla', 'kernel', 'bf16'))
+    print(f'| {rows} | {a:.2f} | {b:.2f} | {b / one_row:.2f} | {c:.2f} |')
 
 
 if __name__ == '__main__':

@@ -3,14 +3,13 @@
 import glob
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from speclm.models import smollm2
 from speclm.models import smollm2_draft
+from speclm.testing.scripts import run_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,10 +26,7 @@ TINY = ['--num_prompts=3', '--self_prompts=4', '--self_prompt_tokens=48', '--gen
 
 
 def _run(*args):
-  result = subprocess.run([sys.executable, SCRIPT, *TINY, *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stderr
+  return run_script(SCRIPT, *TINY, *args)
 
 
 @pytest.fixture(scope='module')

@@ -2,8 +2,6 @@
 
 import glob
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 import speclm
 from speclm.models import smollm2
 from speclm.models import smollm2_draft
+from speclm.testing.scripts import run_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,19 +26,12 @@ EAGLE = [os.path.join(ROOT, 'scripts', 'train_smollm2_eagle.py'), '--epochs=2',
          '--batch_size=2', '--feature_batch=2', '--eval_prompts=2', '--max_new_tokens=8']
 
 
-def _run(*args):
-  result = subprocess.run([sys.executable, *args], cwd=ROOT, text=True, capture_output=True,
-                          timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stderr
-
-
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
   work = tmp_path_factory.mktemp('work')
   out = tmp_path_factory.mktemp('out')
-  _run(*GENERATE, f'--work_dir={work}')
-  log = _run(*EAGLE, f'--work_dir={work}', f'--output_dir={out}')
+  run_script(*GENERATE, f'--work_dir={work}')
+  log = run_script(*EAGLE, f'--work_dir={work}', f'--output_dir={out}')
   return str(work), str(out), log
 
 
