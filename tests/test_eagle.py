@@ -9,6 +9,8 @@ import pytest
 
 import speclm
 from speclm import protocol
+from speclm import testing
+from speclm.analysis import measure
 from speclm.models import eagle
 from speclm.models import llama
 from speclm.models import t5
@@ -85,6 +87,32 @@ def test_the_draft_gets_the_targets_features(gamma):
   np.testing.assert_array_equal(spec.tokens, base.tokens[:, :limit])
 
 
+def _echo_with_attention_draft(target, seed):
+  """The echo draft plus its layer's attention (random output projection, `seed`): its
+  proposals mostly repeat the pending token, but also depend on what the draft's cache holds
+  for earlier positions, so a wrong feature handed over for any of them shows."""
+  echo = _echo_draft(target)
+  params = jax.tree_util.tree_map(lambda x: x, echo.params)
+  random_out = eagle.random_draft(target, num_layers=1, seed=seed).params['layers_0']
+  params['layers_0']['attention']['out'] = random_out['attention']['out']
+  return protocol.Model(echo.definition, params)
+
+
+@pytest.mark.parametrize('seed', [1, 2])
+def test_greedy_rounds_replay_on_teacher_forced_beta(target, seed):
+  """At γ = 1 every proposal reads true features only, so the loop's β sums, acceptance
+  histogram and target calls must equal Algorithm 1 replayed on β teacher-forced with the
+  target's features at every position (`testing.check_greedy_replay`). This covers the features
+  of earlier positions in the draft's cache, which the echo check above cannot see; a loop that
+  kept the wrong feature for prev after a round accepting nothing failed it for both seeds."""
+  draft = _echo_with_attention_draft(target, seed)
+  replay, _ = testing.check_greedy_replay(target, draft, PROMPTS, LENGTHS, gamma=1,
+                                          max_new_tokens=40)
+  assert min(replay.accepted_histogram) >= 5  # both kinds of rounds, several times
+  with pytest.raises(ValueError, match='γ = 1'):
+    testing.check_greedy_replay(target, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=8)
+
+
 def test_features_are_the_heads_inputs(target):
   cache = target.definition.init_cache(2, 8)
   logits, features, _ = target.definition.prefill_with_features(
@@ -107,6 +135,11 @@ def test_errors(target):
   wide = llama.random_model(vocab_size=32, embed_dim=48, num_layers=1, seed=2)
   with pytest.raises(ValueError, match='features of width'):
     speclm.speculative_decode(wide, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
+  reference = measure.generate_reference(target, PROMPTS, LENGTHS, tokens_per_row=4,
+                                         sampling=speclm.GREEDY)
+  with pytest.raises(TypeError, match='FeatureSource'):
+    measure.beta_along(t5.random_model(vocab_size=32), draft, reference,
+                       sampling=speclm.GREEDY)
   trained = draft.definition.trained(draft.params)
   del trained['fuse']
   with pytest.raises(ValueError, match='missing'):

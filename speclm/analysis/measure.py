@@ -243,9 +243,45 @@ def _teacher_forced_logits(definition: protocol.LanguageModel, params, prompts, 
   return jnp.concatenate([first[:, None], rest], axis=1)
 
 
+def _teacher_forced_with_features(target_def, draft_def, target_params, draft_params, prompts,
+                                  prompt_lengths, tokens):
+  """(target logits `[B, T, V]` predicting tokens[:, t], feature-conditioned draft logits
+  `[B, T−1, V]` predicting tokens[:, 1:]).
+
+  The draft reads the target's feature of the position before each of its input tokens, as the
+  decode loop hands them over for the first proposal of a round (the loop's later proposals
+  read the draft's own predicted features instead). Token 0 comes from the target's prefill and
+  is never drafted, so the draft has no prediction for it.
+  """
+  batch, num_tokens = tokens.shape
+  capacity = prompts.shape[1] + num_tokens
+  cache = target_def.init_cache(batch, capacity)
+  first, prompt_features, cache = target_def.prefill_with_features(target_params, prompts,
+                                                                   prompt_lengths, cache)
+  rest, token_features, _ = target_def.extend_with_features(target_params, tokens[:, :-1], cache)
+  # The draft's input k is fed the feature of position k−1 (zeros before the prompt's first).
+  before_prompt = jnp.pad(prompt_features[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  last_prompt = jnp.take_along_axis(prompt_features, (prompt_lengths - 1)[:, None, None], axis=1)
+  before_tokens = jnp.concatenate([last_prompt, token_features[:, :-1]], axis=1)
+  draft_cache = draft_def.init_cache(batch, capacity)
+  draft_cache = draft_def.prefill_with_features(draft_params, prompts, prompt_lengths,
+                                                before_prompt, draft_cache)
+  draft_logits, _, _ = draft_def.extend_with_features(draft_params, tokens[:, :-1],
+                                                      before_tokens, draft_cache)
+  return jnp.concatenate([first[:, None], rest], axis=1), draft_logits
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=('sampling',))
 def _teacher_forced_beta(target_def, draft_def, target_params, draft_params, prompts,
                          prompt_lengths, tokens, *, sampling):
+  """`[B, T]` β; NaN at token 0 for a feature-conditioned draft, which never drafts it."""
+  if isinstance(draft_def, protocol.FeatureConditionedDraft):
+    target_logits, draft_logits = _teacher_forced_with_features(
+        target_def, draft_def, target_params, draft_params, prompts, prompt_lengths, tokens)
+    p = sampling_lib.standardize(target_logits[:, 1:], sampling)
+    q = sampling_lib.standardize(draft_logits, sampling)
+    beta = speculative.acceptance_overlap(p, q)
+    return jnp.pad(beta, ((0, 0), (1, 0)), constant_values=jnp.nan)
   p = sampling_lib.standardize(
       _teacher_forced_logits(target_def, target_params, prompts, prompt_lengths, tokens), sampling)
   q = sampling_lib.standardize(
@@ -260,10 +296,22 @@ def beta_along(target: protocol.Model, draft: protocol.Model, reference: Referen
 
   β[i, t] = Σ_x min(p̃(x), q̃(x)) for the distributions of token t of row i given its prompt and
   tokens[i, :t], both standardized with `sampling` exactly as the decode loops do.
+
+  A feature-conditioned (EAGLE-style) draft reads the target's true features at every
+  position: its β is that of a round's first proposal. Its token 0 is masked out (NaN), since
+  the target's prefill draws that token and no draft ever proposes it.
   """
   if draft.vocab_size != target.vocab_size:
     raise ValueError(f'The draft and target vocabularies differ ({draft.vocab_size} vs'
                      f' {target.vocab_size}); β compares them token by token.')
+  if (isinstance(draft.definition, protocol.FeatureConditionedDraft)
+      and not isinstance(target.definition, protocol.FeatureSource)):
+    raise TypeError(f'The draft ({type(draft.definition).__name__}) reads the target\'s'
+                    ' features, but the target is not a protocol.FeatureSource.')
+  if (isinstance(draft.definition, protocol.FeatureConditionedDraft)
+      and reference.tokens.shape[1] < 2):
+    raise ValueError('β of a feature-conditioned draft needs at least 2 tokens per row (token 0'
+                     ' is never drafted).')
   num_rows = reference.tokens.shape[0]
   out = []
   for start, stop in _batches(num_rows, batch_size):
@@ -275,7 +323,7 @@ def beta_along(target: protocol.Model, draft: protocol.Model, reference: Referen
         jnp.asarray(_pad_rows(reference.tokens[start:stop], size)), sampling=sampling)
     out.append(np.asarray(beta, np.float64)[:stop - start])
   beta = np.concatenate(out)
-  mask = np.arange(beta.shape[1])[None, :] < reference.lengths[:, None]
+  mask = (np.arange(beta.shape[1])[None, :] < reference.lengths[:, None]) & ~np.isnan(beta)
   return beta, mask
 
 

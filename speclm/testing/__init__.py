@@ -78,9 +78,18 @@ def check_greedy_replay(target, draft, prompts, lengths, *, gamma: int, max_new_
   teacher-forced along it (`speclm.analysis.measure.beta_along`) is β at exactly the prefixes
   the loop drafted from. Replaying Algorithm 1's rounds on that β must give the loop's β count,
   β sum, acceptance histogram, target calls and α; this asserts all of them.
+
+  A feature-conditioned (EAGLE-style) draft needs γ = 1: teacher-forced β reads the target's
+  true features everywhere, as the loop does only for a round's first proposal. The replay then
+  checks that the loop hands over the right features in every round, whatever it accepted.
   """
   import speclm  # pylint: disable=import-outside-toplevel
+  from speclm import protocol  # pylint: disable=import-outside-toplevel
   from speclm.analysis import measure  # pylint: disable=import-outside-toplevel
+  with_features = isinstance(draft.definition, protocol.FeatureConditionedDraft)
+  if with_features and gamma != 1:
+    raise ValueError('A feature-conditioned draft replays at γ = 1 only: its later proposals'
+                     ' read its own predicted features, which teacher forcing does not see.')
   spec = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
                                    max_new_tokens=max_new_tokens)
   reference = measure.generate_reference(target, prompts, lengths,
@@ -89,8 +98,9 @@ def check_greedy_replay(target, draft, prompts, lengths, *, gamma: int, max_new_
   np.testing.assert_array_equal(np.asarray(spec.tokens), reference.tokens[:, :max_new_tokens])
   beta, mask = measure.beta_along(target, draft, reference, sampling=speclm.GREEDY,
                                   batch_size=batch_size)
-  assert mask.all()
-  assert set(np.unique(beta)) <= {0.0, 1.0}  # one-hot p̃, q̃
+  # Every position counts, but token 0 of a feature-conditioned draft (never drafted).
+  assert mask[:, int(with_features):].all()
+  assert set(np.unique(beta[mask])) <= {0.0, 1.0}  # one-hot p̃, q̃
   replay = measure.greedy_round_replay(beta, max_new_tokens, gamma)
   stats = spec.stats
   assert replay.beta_count == int(stats.beta_count)
