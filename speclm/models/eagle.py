@@ -32,6 +32,7 @@ import numpy as np
 
 from speclm import protocol
 from speclm.models import llama
+from speclm.models import subset_vocab
 
 
 class EagleModule(nn.Module):
@@ -81,11 +82,13 @@ class EagleDraft(protocol.FeatureConditionedDraft):
   def module(self) -> EagleModule:
     return EagleModule(self.config)
 
+  @property
+  def _layers(self) -> llama.Llama:
+    """A Llama of the draft's layers: the same cache, and prefill fills one position a token."""
+    return llama.Llama(self.config)
+
   def init_cache(self, batch_size, max_length):
-    c = self.config
-    shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
-    return llama.KVCache(keys=jnp.zeros(shape, c.dtype), values=jnp.zeros(shape, c.dtype),
-                         lengths=jnp.zeros((batch_size,), jnp.int32))
+    return self._layers.init_cache(batch_size, max_length)
 
   def apply(self, params, tokens, features, cache):
     """The module on full-vocabulary `tokens` `[B, K]` -> (ĥ `[B, K, D]`, logits `[B, K, S]`,
@@ -95,8 +98,8 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
   def extend_with_features(self, params, tokens, features, cache):
     predicted, logits, cache = self.apply(params, tokens, features, cache)
-    full = jnp.full(logits.shape[:-1] + (self.full_vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., params['head_ids']].set(logits), predicted, cache
+    logits = subset_vocab.to_full_vocab(logits, params['head_ids'], self.full_vocab_size)
+    return logits, predicted, cache
 
   def prefill_with_features(self, params, inputs, input_lengths, features, cache):
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
@@ -104,10 +107,10 @@ class EagleDraft(protocol.FeatureConditionedDraft):
     return cache.replace(lengths=input_lengths.astype(jnp.int32))
 
   def prefix_length(self, input_lengths):
-    return input_lengths
+    return self._layers.prefix_length(input_lengths)
 
   def last_prefix_token(self, inputs, input_lengths):
-    return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
+    return self._layers.last_prefix_token(inputs, input_lengths)
 
   @staticmethod
   def trained(params) -> dict:

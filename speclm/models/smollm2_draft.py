@@ -106,19 +106,21 @@ def load(target: protocol.Model, path: str | None = None,
          dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Model:
   """The shipped (or a given) draft for `target` = SmolLM2-135M, as a `protocol.Model`."""
   trained, subset_ids, metadata = read(path)
-  num_layers = sum(1 for k in trained if k.startswith('layers_'))
-  if metadata.get('num_layers', num_layers) != num_layers:
-    raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
-                     f' {num_layers}.')
-  return assemble(target, trained, subset_ids, num_layers, dtype, cpu_kernels)
+  return assemble(target, trained, subset_ids, _num_layers(trained, metadata), dtype,
+                  cpu_kernels)
 
 
 def load_eagle(target: protocol.Model, path: str | None = None,
                cpu_kernels: bool = False) -> protocol.Model:
   """The shipped (or a given) EAGLE-style draft for `target` = SmolLM2-135M."""
   trained, head_ids, metadata = read(path or os.path.join(EAGLE_DIR, EAGLE_FILE))
+  return eagle.make(target, trained, head_ids, _num_layers(trained, metadata), cpu_kernels)
+
+
+def _num_layers(trained: dict[str, Any], metadata: dict[str, Any]) -> int:
+  """The layers a draft file holds, checked against what its metadata says."""
   num_layers = sum(1 for k in trained if k.startswith('layers_'))
   if metadata.get('num_layers', num_layers) != num_layers:
     raise ValueError(f'The draft file says {metadata["num_layers"]} layers but holds'
                      f' {num_layers}.')
-  return eagle.make(target, trained, head_ids, num_layers, cpu_kernels)
+  return num_layers

@@ -45,8 +45,8 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
 
   def _to_full(self, params, logits):
     """Inner logits `[..., S]` -> full logits `[..., V]`, −inf outside the subset."""
-    full = jnp.full(logits.shape[:-1] + (self.full_vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., params['from_subset']].set(logits[..., :self.subset_size])
+    return to_full_vocab(logits[..., :self.subset_size], params['from_subset'],
+                         self.full_vocab_size)
 
   def init_cache(self, batch_size, max_length):
     return self.inner.init_cache(batch_size, max_length)
@@ -62,6 +62,13 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
 
   def last_prefix_token(self, inputs, input_lengths):
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
+
+
+def to_full_vocab(logits: jax.Array, token_ids: jax.Array, full_vocab_size: int) -> jax.Array:
+  """Logits `[..., S]` over the tokens `token_ids` `[S]` -> `[..., V]`, −inf (q̃ = 0) on
+  every other token."""
+  full = jnp.full(logits.shape[:-1] + (full_vocab_size,), -jnp.inf, logits.dtype)
+  return full.at[..., token_ids].set(logits)
 
 
 def subset_maps(token_ids, full_vocab_size: int) -> dict[str, np.ndarray]:
