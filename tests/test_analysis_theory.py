@@ -151,7 +151,53 @@ def test_oracle_bound():
     assert tokens[-1] == pytest.approx(theory.oracle_tokens_bound(alpha))
 
 
+def _simulated_batch_iterations(alphas, gamma, num_tokens, trials, seed=0):
+  """E[max_b R_b] by direct simulation of Algorithm 1's i.i.d. acceptances (mean, std error)."""
+  rng = np.random.default_rng(seed)
+  iterations = np.zeros((trials, len(alphas)))
+  for b, alpha in enumerate(alphas):
+    made = np.zeros(trials)
+    while np.any(made < num_tokens):
+      active = made < num_tokens
+      accepted = np.sum(np.cumprod(rng.random((trials, gamma)) < alpha, axis=1), axis=1)
+      made += active * (accepted + 1)
+      iterations[:, b] += active
+  most = iterations.max(axis=1)
+  return most.mean(), most.std() / np.sqrt(trials)
+
+
+@pytest.mark.parametrize('alphas,gamma,num_tokens', [
+    ([0.4], 3, 50), ([0.2, 0.5, 0.7], 3, 40), ([0.45] * 8, 1, 64), ([0.0, 0.9], 2, 30)])
+def test_expected_batch_iterations_matches_simulation(alphas, gamma, num_tokens):
+  exact = theory.expected_batch_iterations(alphas, gamma, num_tokens)
+  mean, stderr = _simulated_batch_iterations(alphas, gamma, num_tokens, trials=4000)
+  assert abs(exact - mean) < 4 * stderr + 1e-9, (exact, mean, stderr)
+
+
+def test_batch_iterations_edge_cases_and_limits():
+  # α = 0: one token an iteration; α = 1: γ + 1 tokens an iteration, the last one cut short.
+  assert theory.expected_batch_iterations([0.0, 0.0], 3, 17) == pytest.approx(17.0)
+  assert theory.expected_batch_iterations([1.0], 3, 17) == pytest.approx(5.0)
+  cdf = theory.iterations_cdf(0.6, 2, 25)
+  assert cdf[0] == 0.0 and cdf[-1] == 1.0 and np.all(np.diff(cdf) >= 0)
+  # A long single-row generation approaches Eq. (1), and Theorem 3.8 with it.
+  one_row = theory.batch_walltime_improvement([0.5], 3, 0.05, 1.1, num_tokens=4000)
+  assert one_row == pytest.approx(theory.walltime_improvement(0.5, 3, 0.05, 1.1), rel=2e-3)
+  # The slowest row sets the pace: adding rows never helps, and a slow row hurts.
+  alone = theory.batch_walltime_improvement([0.6], 3, 0.05, 1.0, num_tokens=128)
+  same = theory.batch_walltime_improvement([0.6] * 8, 3, 0.05, 1.0, num_tokens=128)
+  mixed = theory.batch_walltime_improvement([0.6] * 7 + [0.2], 3, 0.05, 1.0, num_tokens=128)
+  assert mixed < same < alone
+  assert mixed < theory.batch_walltime_improvement([0.2], 3, 0.05, 1.0, num_tokens=128) * 1.001
+
+
 @pytest.mark.parametrize('call', [
+    lambda: theory.expected_batch_iterations([], 3, 10),
+    lambda: theory.expected_batch_iterations([0.5, 1.5], 3, 10),
+    lambda: theory.expected_batch_iterations([0.5], 3, 0),
+    lambda: theory.batch_walltime_improvement([0.5], 3, -0.1),
+    lambda: theory.batch_walltime_improvement([0.5], 3, 0.1, r=0.0),
+    lambda: theory.iterations_cdf(0.5, 3, True),
     lambda: theory.expected_tokens_per_iteration(1.2, 3),
     lambda: theory.expected_tokens_per_iteration(-0.1, 3),
     lambda: theory.expected_tokens_per_iteration(float('nan'), 3),

@@ -104,6 +104,73 @@ def walltime_improvement(alpha, gamma, c, r=1.0):
   return _as_output(tokens / (gamma * c + r))
 
 
+def _check_num_tokens(num_tokens) -> int:
+  if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
+      or num_tokens < 1:
+    raise ValueError(f'num_tokens (tokens each row generates) must be an integer >= 1, got'
+                     f' {num_tokens!r}.')
+  return int(num_tokens)
+
+
+def iterations_cdf(alpha: float, gamma: int, num_tokens: int) -> np.ndarray:
+  """P(R ≤ k) for k = 0 … num_tokens, R = iterations of Algorithm 1 that make num_tokens tokens.
+
+  The finite-length version of Eq. (1): under the same i.i.d. assumption an iteration yields
+  j = 1 … γ tokens with probability α^(j−1)(1 − α) and γ + 1 with probability α^γ, so the
+  tokens made so far are a Markov chain, stopped at num_tokens (a row stops there: the last
+  iteration may overshoot). Exact, by dynamic programming over that chain; R ≤ num_tokens.
+  """
+  alpha = float(_check_alpha(alpha))
+  gamma = int(_check_gamma(gamma))
+  num_tokens = _check_num_tokens(num_tokens)
+  step = alpha ** np.arange(gamma + 1) * np.append(np.full(gamma, 1.0 - alpha), 1.0)
+  made = np.zeros(num_tokens + 1)  # made[t] = P(t tokens so far), t = num_tokens absorbing
+  made[0] = 1.0
+  cdf = np.zeros(num_tokens + 1)
+  for k in range(1, num_tokens + 1):
+    moved = np.zeros_like(made)
+    moved[-1] = made[-1]
+    for j, probability in enumerate(step, start=1):  # this iteration makes j tokens
+      if j < num_tokens:
+        moved[j:-1] += probability * made[:num_tokens - j]
+      moved[-1] += probability * made[max(num_tokens - j, 0):-1].sum()  # reached the end
+    made = moved
+    cdf[k] = made[-1]
+  cdf[-1] = 1.0  # every iteration makes at least one token
+  return cdf
+
+
+def expected_batch_iterations(alphas, gamma: int, num_tokens: int) -> float:
+  """E[max_b R_b]: iterations a batch runs when row b accepts at rate `alphas[b]`.
+
+  Rows of a batch advance together, one verification call per iteration for all of them, so
+  the batch runs until its slowest row has its num_tokens tokens. Rows are independent:
+  P(max R_b ≤ k) = Π_b P(R_b ≤ k), and E[max] = Σ_{k ≥ 0} (1 − P(max ≤ k)). One row gives
+  E[R] ≈ num_tokens / Eq. (1) for long generations.
+  """
+  alphas = np.atleast_1d(_check_alpha(alphas))
+  if alphas.ndim != 1 or alphas.size == 0:
+    raise ValueError(f'alphas must be one α per row of the batch, got {alphas!r}.')
+  batch_cdf = np.prod([iterations_cdf(a, gamma, num_tokens) for a in alphas], axis=0)
+  return float(np.sum(1.0 - batch_cdf[:-1]))
+
+
+def batch_walltime_improvement(alphas, gamma: int, c, r=1.0, num_tokens: int = 128) -> float:
+  """The generalised Theorem 3.8 for one batch of finite generations, one α per row.
+
+  num_tokens / (E[max_b R_b] (γc + r)): the baseline makes num_tokens calls (every row gains a
+  token per call), speculative decoding E[max_b R_b] iterations of γ draft calls and one
+  verification. For one row and long generations this is `walltime_improvement`; a batch is
+  held back by its slowest row, and more so the more its rows' α differ.
+  """
+  c = float(_check_nonnegative('c (draft call time / target call time)', c))
+  r = float(_check_r(r))
+  num_tokens = _check_num_tokens(num_tokens)
+  gamma_value = int(_check_gamma(gamma))
+  iterations = expected_batch_iterations(alphas, gamma, num_tokens)
+  return num_tokens / (iterations * (gamma_value * c + r))
+
+
 def operations_factor(alpha, gamma, c_hat=0.0):
   """Theorem 3.11: total arithmetic operations per token relative to the baseline.
 
