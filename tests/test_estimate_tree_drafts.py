@@ -1,6 +1,5 @@
 """scripts/estimate_tree_drafts.py: its round counting by hand, and against the decode loop."""
 
-import importlib.util
 import os
 
 import numpy as np
@@ -9,17 +8,14 @@ import pytest
 import speclm
 from speclm.models import lookup
 from speclm.models import smollm2
+from speclm.testing import scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
 def script():
-  spec = importlib.util.spec_from_file_location(
-      'estimate_tree_drafts', os.path.join(REPO, 'scripts', 'estimate_tree_drafts.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load_script(os.path.join(REPO, 'scripts', 'estimate_tree_drafts.py'))
 
 
 def test_rounds_by_hand(script):

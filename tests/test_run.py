@@ -1,7 +1,6 @@
 """The gin-configured job (speclm.run) on tiny random models: modes, metrics, CLI, errors."""
 
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -13,6 +12,7 @@ import pytest
 
 from speclm import outputs
 from speclm import run
+from speclm.testing import scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,11 +178,7 @@ def test_cli_error_is_one_paragraph_and_nonzero(tmp_path):
 
 
 def _reproduce_table2():
-  spec = importlib.util.spec_from_file_location(
-      'reproduce_table2', os.path.join(REPO, 'scripts', 'reproduce_table2.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return scripts.load_script(os.path.join(REPO, 'scripts', 'reproduce_table2.py'))
 
 
 def test_reproduce_table2_smoke(tmp_path, capsys):

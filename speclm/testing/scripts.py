@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,3 +18,13 @@ def run_script(script: str, *args: str, timeout: float = 900) -> str:
     raise AssertionError(f'{os.path.basename(script)} exited {result.returncode}:\n'
                          f'{result.stderr[-3000:]}')
   return result.stderr
+
+
+def load_script(script: str):
+  """Imports a repository script (a path) as a module, to test its functions; its absl flags
+  are defined once per process, so load each script once (a module-scoped fixture)."""
+  name = os.path.splitext(os.path.basename(script))[0]
+  spec = importlib.util.spec_from_file_location(name, script)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
