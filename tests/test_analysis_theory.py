@@ -154,11 +154,12 @@ def test_oracle_bound():
 def _simulated_batch_iterations(alphas, gamma, num_tokens, trials, seed=0):
   """E[max_b R_b] by direct simulation of Algorithm 1's i.i.d. acceptances (mean, std error)."""
   rng = np.random.default_rng(seed)
+  counts = np.broadcast_to(num_tokens, (len(alphas),))
   iterations = np.zeros((trials, len(alphas)))
   for b, alpha in enumerate(alphas):
     made = np.zeros(trials)
-    while np.any(made < num_tokens):
-      active = made < num_tokens
+    while np.any(made < counts[b]):
+      active = made < counts[b]
       accepted = np.sum(np.cumprod(rng.random((trials, gamma)) < alpha, axis=1), axis=1)
       made += active * (accepted + 1)
       iterations[:, b] += active
@@ -167,7 +168,8 @@ def _simulated_batch_iterations(alphas, gamma, num_tokens, trials, seed=0):
 
 
 @pytest.mark.parametrize('alphas,gamma,num_tokens', [
-    ([0.4], 3, 50), ([0.2, 0.5, 0.7], 3, 40), ([0.45] * 8, 1, 64), ([0.0, 0.9], 2, 30)])
+    ([0.4], 3, 50), ([0.2, 0.5, 0.7], 3, 40), ([0.45] * 8, 1, 64), ([0.0, 0.9], 2, 30),
+    ([0.3, 0.8, 0.5], 3, [12, 40, 0])])
 def test_expected_batch_iterations_matches_simulation(alphas, gamma, num_tokens):
   exact = theory.expected_batch_iterations(alphas, gamma, num_tokens)
   mean, stderr = _simulated_batch_iterations(alphas, gamma, num_tokens, trials=4000)
@@ -189,6 +191,12 @@ def test_batch_iterations_edge_cases_and_limits():
   mixed = theory.batch_walltime_improvement([0.6] * 7 + [0.2], 3, 0.05, 1.0, num_tokens=128)
   assert mixed < same < alone
   assert mixed < theory.batch_walltime_improvement([0.2], 3, 0.05, 1.0, num_tokens=128) * 1.001
+  # Rows with their own lengths (an end token): a row with no tokens left changes nothing,
+  # and the baseline's calls are the longest row's.
+  assert theory.expected_batch_iterations([0.5, 0.9], 2, [20, 0]) == pytest.approx(
+      theory.expected_batch_iterations([0.5], 2, 20))
+  assert theory.batch_walltime_improvement([0.0, 0.0], 2, 0.1, 1.0, [7, 3]) == pytest.approx(
+      1 / 1.2)
 
 
 @pytest.mark.parametrize('call', [
@@ -198,6 +206,9 @@ def test_batch_iterations_edge_cases_and_limits():
     lambda: theory.batch_walltime_improvement([0.5], 3, -0.1),
     lambda: theory.batch_walltime_improvement([0.5], 3, 0.1, r=0.0),
     lambda: theory.iterations_cdf(0.5, 3, True),
+    lambda: theory.expected_batch_iterations([0.5, 0.5], 3, [4]),
+    lambda: theory.expected_batch_iterations([0.5, 0.5], 3, [0, 0]),
+    lambda: theory.expected_batch_iterations([0.5], 3, [-1]),
     lambda: theory.expected_tokens_per_iteration(1.2, 3),
     lambda: theory.expected_tokens_per_iteration(-0.1, 3),
     lambda: theory.expected_tokens_per_iteration(float('nan'), 3),

@@ -53,6 +53,12 @@ def test_compare_job_reports_everything(tmp_path):
   metrics = run_tiny(tmp_path, 'run_job.measure_cost = False')  # c: see the Table 2 test
   records = outputs.read_predictions(str(tmp_path / 'predictions.jsonl'))
   assert sorted(r['index'] for r in records) == list(range(12))
+  # Rows decoded together share a batch key: the index of the batch's first example.
+  members = {}
+  for r in records:
+    members.setdefault(r['batch'], []).append(r['index'])
+  assert all(key in rows and len(rows) <= 4 for key, rows in members.items())  # BATCH_SIZE 4
+  assert len(members) >= 3
   # Greedy: speculative decoding reproduces the baseline token for token.
   assert all(r['identical'] for r in records)
   assert metrics['identical_output_rate'] == 1.0
@@ -80,6 +86,31 @@ def test_compare_job_reports_everything(tmp_path):
   assert 'random_llama.num_layers' in (tmp_path / 'operative_config.gin').read_text()
 
 
+def test_per_batch_prediction_follows_each_batchs_slowest_row():
+  from speclm.analysis import theory  # pylint: disable=import-outside-toplevel
+  def record(batch, num_tokens, beta_sum, beta_count):
+    return {'batch': batch, 'speculative': {
+        'output': '', 'num_tokens': num_tokens, 'target_calls': 1, 'time_s': 1.0,
+        'stop_reason': 'MAX_NEW_TOKENS', 'accepted': 0, 'beta_sum': beta_sum,
+        'beta_count': beta_count}}
+  records = [record(0, 11, 3.0, 6), record(0, 6, 0.0, 0), record(4, 8, 4.5, 5)]
+  cost = {'c': 0.05, 'r': 1.1}
+  metrics = run.compute_metrics(records, mode='speculative', gamma=3,
+                                sampling=run.sampling_lib.GREEDY, cost=cost,
+                                reference_metrics=())
+  # The rounds make each row's tokens after its first; batch 0 waits for its 10-token row.
+  iterations = (theory.expected_batch_iterations([0.5, 0.0], 3, [10, 5])
+                + theory.expected_batch_iterations([0.9], 3, [7]))
+  assert metrics['predicted_speedup_per_batch'] == pytest.approx(
+      (10 + 7) / (iterations * (3 * 0.05 + 1.1)))
+  assert 'row by row, per batch' in run.summary(metrics)
+  # Records from before the batch key: no such prediction, and no error.
+  del records[0]['batch']
+  assert run.compute_metrics(records, mode='speculative', gamma=3,
+                             sampling=run.sampling_lib.GREEDY, cost=cost,
+                             reference_metrics=())['predicted_speedup_per_batch'] is None
+
+
 def test_baseline_and_speculative_modes_on_a_file_with_truncation(tmp_path):
   data = tmp_path / 'in.jsonl'
   data.write_text(''.join(json.dumps({'id': f'e{i}', 'input': 'word ' * (i * 8 + 1),
@@ -104,6 +135,12 @@ def test_skip_policy_records_skipped_examples_once(tmp_path):
   skipped = [r for r in records if 'skipped' in r]
   assert skipped and metrics['num_skipped'] == len(skipped)
   assert sorted(r['index'] for r in records) == list(range(12))
+  # Rows decoded together share a batch key: the index of the batch's first example.
+  members = {}
+  for r in records:
+    members.setdefault(r['batch'], []).append(r['index'])
+  assert all(key in rows and len(rows) <= 4 for key, rows in members.items())  # BATCH_SIZE 4
+  assert len(members) >= 3
 
 
 def _jobs_error(tmp_path, *bindings, gin_files=('test_tiny.gin',)):

@@ -104,11 +104,11 @@ def walltime_improvement(alpha, gamma, c, r=1.0):
   return _as_output(tokens / (gamma * c + r))
 
 
-def _check_num_tokens(num_tokens) -> int:
+def _check_num_tokens(num_tokens, minimum: int = 1) -> int:
   if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
-      or num_tokens < 1:
-    raise ValueError(f'num_tokens (tokens each row generates) must be an integer >= 1, got'
-                     f' {num_tokens!r}.')
+      or num_tokens < minimum:
+    raise ValueError(f'num_tokens (tokens a row generates) must be an integer >= {minimum},'
+                     f' got {num_tokens!r}.')
   return int(num_tokens)
 
 
@@ -118,11 +118,12 @@ def iterations_cdf(alpha: float, gamma: int, num_tokens: int) -> np.ndarray:
   The finite-length version of Eq. (1): under the same i.i.d. assumption an iteration yields
   j = 1 … γ tokens with probability α^(j−1)(1 − α) and γ + 1 with probability α^γ, so the
   tokens made so far are a Markov chain, stopped at num_tokens (a row stops there: the last
-  iteration may overshoot). Exact, by dynamic programming over that chain; R ≤ num_tokens.
+  iteration may overshoot). Exact, by dynamic programming over that chain; R ≤ num_tokens,
+  and R = 0 for num_tokens = 0.
   """
   alpha = float(_check_alpha(alpha))
   gamma = int(_check_gamma(gamma))
-  num_tokens = _check_num_tokens(num_tokens)
+  num_tokens = _check_num_tokens(num_tokens, minimum=0)
   step = alpha ** np.arange(gamma + 1) * np.append(np.full(gamma, 1.0 - alpha), 1.0)
   made = np.zeros(num_tokens + 1)  # made[t] = P(t tokens so far), t = num_tokens absorbing
   made[0] = 1.0
@@ -140,35 +141,52 @@ def iterations_cdf(alpha: float, gamma: int, num_tokens: int) -> np.ndarray:
   return cdf
 
 
-def expected_batch_iterations(alphas, gamma: int, num_tokens: int) -> float:
+def _row_tokens(num_tokens, rows: int) -> list[int]:
+  """One token count per row: an int for all rows, or a sequence of `rows` counts."""
+  if np.ndim(num_tokens) == 0:
+    return [_check_num_tokens(num_tokens)] * rows
+  counts = [_check_num_tokens(n, minimum=0) for n in np.asarray(num_tokens).tolist()]
+  if len(counts) != rows or max(counts) < 1:
+    raise ValueError(f'num_tokens must give one count per row ({rows}), at least one of them'
+                     f' >= 1; got {num_tokens!r}.')
+  return counts
+
+
+def expected_batch_iterations(alphas, gamma: int, num_tokens) -> float:
   """E[max_b R_b]: iterations a batch runs when row b accepts at rate `alphas[b]`.
 
   Rows of a batch advance together, one verification call per iteration for all of them, so
-  the batch runs until its slowest row has its num_tokens tokens. Rows are independent:
+  the batch runs until its slowest row has its tokens: `num_tokens` for every row, or one
+  count per row (rows that stop at an end token). Rows are independent:
   P(max R_b ≤ k) = Π_b P(R_b ≤ k), and E[max] = Σ_{k ≥ 0} (1 − P(max ≤ k)). One row gives
   E[R] ≈ num_tokens / Eq. (1) for long generations.
   """
   alphas = np.atleast_1d(_check_alpha(alphas))
   if alphas.ndim != 1 or alphas.size == 0:
     raise ValueError(f'alphas must be one α per row of the batch, got {alphas!r}.')
-  batch_cdf = np.prod([iterations_cdf(a, gamma, num_tokens) for a in alphas], axis=0)
+  counts = _row_tokens(num_tokens, alphas.size)
+  longest = max(counts)
+  batch_cdf = np.ones(longest + 1)
+  for alpha, count in zip(alphas, counts):
+    batch_cdf[:count + 1] *= iterations_cdf(alpha, gamma, count)  # 1 from `count` on
   return float(np.sum(1.0 - batch_cdf[:-1]))
 
 
-def batch_walltime_improvement(alphas, gamma: int, c, r=1.0, num_tokens: int = 128) -> float:
+def batch_walltime_improvement(alphas, gamma: int, c, r=1.0, num_tokens=128) -> float:
   """The generalised Theorem 3.8 for one batch of finite generations, one α per row.
 
-  num_tokens / (E[max_b R_b] (γc + r)): the baseline makes num_tokens calls (every row gains a
-  token per call), speculative decoding E[max_b R_b] iterations of γ draft calls and one
-  verification. For one row and long generations this is `walltime_improvement`; a batch is
-  held back by its slowest row, and more so the more its rows' α differ.
+  max_b N_b / (E[max_b R_b] (γc + r)): the baseline makes as many calls as its longest row
+  has tokens N_b (every row gains a token per call), speculative decoding E[max_b R_b]
+  iterations of γ draft calls and one verification. For one row and long generations this is
+  `walltime_improvement`; a batch is held back by its slowest row, and more so the more its
+  rows' α differ. `num_tokens`: as in `expected_batch_iterations`.
   """
   c = float(_check_nonnegative('c (draft call time / target call time)', c))
   r = float(_check_r(r))
-  num_tokens = _check_num_tokens(num_tokens)
   gamma_value = int(_check_gamma(gamma))
+  alphas = np.atleast_1d(alphas)
   iterations = expected_batch_iterations(alphas, gamma, num_tokens)
-  return num_tokens / (iterations * (gamma_value * c + r))
+  return max(_row_tokens(num_tokens, alphas.size)) / (iterations * (gamma_value * c + r))
 
 
 def operations_factor(alpha, gamma, c_hat=0.0):
