@@ -30,10 +30,7 @@ import dataclasses
 import datetime
 import functools
 import os
-import platform
-import statistics
 import time
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +40,13 @@ from absl import flags
 
 import speclm
 from speclm import sampling as sampling_lib
+from speclm.analysis import benchmarking
 from speclm.analysis import measure
 from speclm.analysis import theory
+from speclm.analysis.benchmarking import Case
+from speclm.analysis.benchmarking import find
+from speclm.analysis.benchmarking import median
+from speclm.analysis.benchmarking import ratio
 from speclm.checkpoints import gguf
 from speclm.data import builtin_prompts
 from speclm.models import lookup
@@ -135,27 +137,6 @@ class _before_sampling:  # pylint: disable=invalid-name
 # Cases
 
 
-@dataclasses.dataclass
-class Case:
-  """One thing timed each round. `run(round)` -> generated tokens `[B, N]` (numpy)."""
-
-  name: str
-  group: str
-  batch_size: int
-  temperature: float
-  run: Callable[[int], np.ndarray]
-  before_sampling: bool = False  # compiled with the "before" sampling code (ablations)
-  seconds: list[float] = dataclasses.field(default_factory=list)
-  outputs: list[np.ndarray] = dataclasses.field(default_factory=list)
-  stats: list[Any] = dataclasses.field(default_factory=list)
-
-  def ms_per_token(self) -> list[float]:
-    return [1e3 * s / _MAX_NEW.value for s in self.seconds]
-
-  def tokens_per_second(self) -> list[float]:
-    return [self.batch_size * _MAX_NEW.value / s for s in self.seconds]
-
-
 def _prompt_batch(tok, prompts, width: int):
   """Chat-encoded prompts right-padded to one `width` (one compiled shape for every round)."""
   rows = [tok.encode_chat(p) for p in prompts]
@@ -189,7 +170,8 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=No
 
     if before:
       sampling = _BeforeSampling(**dataclasses.asdict(sampling))
-    case = Case(name, group, batch_size, sampling.temperature, run, before_sampling=before)
+    case = Case(name, group, batch_size, sampling.temperature, _MAX_NEW.value, run,
+                before_sampling=before)
     case_holder.append(case)
     return case
 
@@ -237,7 +219,6 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=No
 
 def hf_cases(target, draft, tok, prompts) -> list[Case]:
   import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
   from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(_THREADS.value)
@@ -245,21 +226,10 @@ def hf_cases(target, draft, tok, prompts) -> list[Case]:
   hf_draft = hf_llama.subset_draft_to_transformers(draft)
   inputs = [torch.tensor([tok.encode_chat(p)], dtype=torch.long) for p in prompts]
 
-  def config(temperature, assisted):
-    settings = dict(max_new_tokens=_MAX_NEW.value, min_new_tokens=_MAX_NEW.value,
-                    eos_token_id=None, pad_token_id=tok.pad_id or 0)
-    if temperature > 0:
-      settings.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-      settings.update(do_sample=False)
-    if assisted:
-      settings.update(num_assistant_tokens=_GAMMA.value,
-                      num_assistant_tokens_schedule='constant',
-                      assistant_confidence_threshold=0.0)
-    return transformers.GenerationConfig(**settings)
-
   def make(name, temperature, assisted):
-    generation_config = config(temperature, assisted)
+    generation_config = benchmarking.hf_generation_config(
+        temperature=temperature, assisted=assisted, new_tokens=_MAX_NEW.value,
+        gamma=_GAMMA.value, pad_id=tok.pad_id or 0)
 
     def run(round_index):
       ids = inputs[round_index % len(inputs)]
@@ -270,7 +240,7 @@ def hf_cases(target, draft, tok, prompts) -> list[Case]:
                                  assistant_model=hf_draft if assisted else None)
       return out[:, ids.shape[1]:].numpy()
 
-    return Case(name, 'hf', 1, temperature, run)
+    return Case(name, 'hf', 1, temperature, _MAX_NEW.value, run)
 
   return [make('HF generate()', 0.0, False), make('HF assisted generation', 0.0, True),
           make('HF generate()', 1.0, False), make('HF assisted generation', 1.0, True)]
@@ -301,23 +271,6 @@ def _gamma(batch_size: int) -> int:
   return _GAMMA.value
 
 
-def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-  """Bytes per second one jitted reduction streams from memory here (median of repeats).
-
-  The benchmark probes once per round, between the cases, because on a shared machine the
-  figure moves from run to run (26-45 GB/s measured here) as much as the timings do.
-  """
-  x = jnp.ones((num_bytes // 4,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  total(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    total(x).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return num_bytes / statistics.median(times)
-
-
 def bytes_per_target_call(target, batch_size: int, context: int) -> int:
   """Weights one decode step must read (every matrix, one embedding row per token) plus the
   keys and values of `context` positions for every row."""
@@ -337,29 +290,6 @@ def row_alphas(stats) -> np.ndarray:
   """`[B]` each row's α (its exact β average) in one speculative run."""
   counts = np.asarray(stats.beta_count_per_row, np.float64)
   return np.asarray(stats.beta_sum_per_row, np.float64) / np.maximum(counts, 1.0)
-
-
-def median(xs):
-  return statistics.median(xs)
-
-
-def spread(xs):
-  return f'{min(xs):.1f}–{max(xs):.1f}'
-
-
-def find(cases, name, batch_size, temperature, group=None):
-  for case in cases:
-    if (case.name == name and case.batch_size == batch_size and case.temperature == temperature
-        and (group is None or case.group == group)):
-      return case
-  return None
-
-
-def ratio(numerator: Case | None, denominator: Case | None) -> float | None:
-  """Speedup of `numerator` over `denominator`: the median of per-round time ratios."""
-  if numerator is None or denominator is None:
-    return None
-  return median([d / n for n, d in zip(numerator.seconds, denominator.seconds)])
 
 
 def main(argv):
@@ -397,41 +327,21 @@ def main(argv):
     print(f'HF draft export: max |logit difference| {export_error:.2e}', flush=True)
 
   print(f'compiling and warming up {len(cases)} cases …', flush=True)
-  for case in cases:
-    start = time.time()
-    if case.before_sampling:
-      with _before_sampling():
-        case.run(0)
-    else:
-      case.run(0)
-    case.stats.clear()
-    print(f'  {case.name} (batch {case.batch_size}, T={case.temperature:g}):'
-          f' {time.time() - start:.1f}s', flush=True)
-
-  bandwidths = []
-  for round_index in range(_ROUNDS.value):
-    bandwidths.append(memory_bandwidth())
-    for case in cases:
-      start = time.perf_counter()
-      out = case.run(round_index)
-      case.seconds.append(time.perf_counter() - start)
-      case.outputs.append(out)
-    print(f'round {round_index + 1}/{_ROUNDS.value}: ' + ', '.join(
-        f'{c.name[:22]} b{c.batch_size} T{c.temperature:g} {c.ms_per_token()[-1]:.0f}'
-        for c in cases[:8]) + ' ms/token', flush=True)
+  benchmarking.warm_up(cases, before_sampling_context=_before_sampling)
+  bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
 
   # Exactness: greedy speculative = greedy baseline, every round (and ours vs HF).
   checks = {}
   for batch_size in (1, _BATCH.value):
     base, spec = find(cases, 'speclm baseline', batch_size, 0.0), find(
         cases, 'speclm speculative', batch_size, 0.0)
-    checks[f'greedy speculative = baseline, batch {batch_size}'] = all(
-        np.array_equal(a, b) for a, b in zip(base.outputs, spec.outputs))
+    checks[f'greedy speculative = baseline, batch {batch_size}'] = (
+        benchmarking.outputs_equal(base, spec))
   for case in cases:
     if case.group == 'ablation' and case.temperature == 0:
       base = find(cases, 'speclm baseline', case.batch_size, 0.0)
-      checks[f'{case.name} = baseline, batch {case.batch_size}'] = all(
-          np.array_equal(a, b) for a, b in zip(base.outputs, case.outputs))
+      checks[f'{case.name} = baseline, batch {case.batch_size}'] = (
+          benchmarking.outputs_equal(base, case))
   hf_agreement = None
   if _HF.value:
     ours, theirs = find(cases, 'speclm baseline', 1, 0.0), find(cases, 'HF generate()', 1, 0.0)
@@ -440,8 +350,7 @@ def main(argv):
               zip(ours.outputs, theirs.outputs)]
     hf_agreement = dict(token_agreement=float(np.mean(agree)), identical_prefix=prefix)
     assisted = find(cases, 'HF assisted generation', 1, 0.0)
-    checks['HF assisted = HF generate() (greedy)'] = all(
-        np.array_equal(a, b) for a, b in zip(theirs.outputs, assisted.outputs))
+    checks['HF assisted = HF generate() (greedy)'] = benchmarking.outputs_equal(theirs, assisted)
 
   # α from our speculative runs; c and r timed on the compiled extend calls.
   alphas = {}
@@ -540,29 +449,6 @@ def main(argv):
   print(f'wrote {_OUTPUT.value}')
 
 
-def _versions() -> str:
-  import importlib.metadata as md  # pylint: disable=import-outside-toplevel
-  names = ['jax', 'jaxlib', 'flax', 'numpy', 'torch', 'transformers']
-  out = []
-  for name in names:
-    try:
-      out.append(f'{name} {md.version(name)}')
-    except md.PackageNotFoundError:
-      pass
-  return ', '.join(out)
-
-
-def _cpu() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown'
-
-
 def render(s: dict) -> str:
   def fmt(x, spec='.2f'):
     return '—' if x is None else format(x, spec)
@@ -573,8 +459,7 @@ def render(s: dict) -> str:
       'Written by `python scripts/benchmark.py` (do not edit by hand; rerun it).',
       '',
       f'- date: {datetime.date.today().isoformat()}; total run time {s["seconds"] / 60:.1f} min',
-      f'- machine: {_cpu()}, {os.cpu_count()} CPU cores visible, Python'
-      f' {platform.python_version()}, {_versions()}',
+      f'- machine: {benchmarking.machine_line()}',
       f'- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF) and'
       f' the shipped {s["draft_card"].get("num_layers")}-layer draft'
       f' ({s["draft_card"].get("subset_size")}-token head)' + (
@@ -589,22 +474,15 @@ def render(s: dict) -> str:
       f' PyTorch on {_THREADS.value} threads, float32, same weights, assisted generation with'
       f' {_GAMMA.value} constant assistant tokens',
       '',
-      '## Time per generated token',
-      '',
-      '| case | batch | T | median ms / token (per row-step) | spread | tokens / s (all rows) |',
-      '| --- | --- | --- | --- | --- | --- |',
   ]
-  for case in s['cases']:
-    lines.append(f'| {case.name} | {case.batch_size} | {case.temperature:g} |'
-                 f' {median(case.ms_per_token()):.1f} | {spread(case.ms_per_token())} |'
-                 f' {median(case.tokens_per_second()):.1f} |')
+  lines += benchmarking.time_table(s['cases'])
   lines += ['', '## Ratios (median of per-round ratios) and the targets', '',
             '| ratio | measured | target | met |', '| --- | --- | --- | --- |']
   for name, value in s['ratios'].items():
     target = TARGETS.get(name)
     met = '' if target is None or value is None else ('yes' if value >= target else 'no')
     lines.append(f'| {name} | {fmt(value)}× | {fmt(target)}{"×" if target else ""} | {met} |')
-  floor_ratio = median([t / f for t, f in zip(s['base_ms'], s['floor_ms'])])
+  floor_ratio = benchmarking.floor_ratio(s['base_ms'], s['floor_ms'])
   lines += [
       f'| baseline time / memory-bandwidth floor, batch 1 | {floor_ratio:.2f}× | ≤ 1.60× |'
       f' {"yes" if floor_ratio <= 1.6 else "no"} |',
@@ -630,22 +508,12 @@ def render(s: dict) -> str:
       f' uses the α of each of its rows and the {_MAX_NEW.value} − 1 tokens the rounds make,'
       ' and a batch runs until its slowest row is done; the median over rounds is shown.',
       '',
-      '## Memory-bandwidth floor',
-      '',
-      f'- bandwidth, measured at the start of every round (one jitted sum over 1 GiB): median'
-      f' {median(s["bandwidths"]) / 1e9:.1f} GB/s, spread'
-      f' {spread([b / 1e9 for b in s["bandwidths"]])} GB/s',
-      f'- bytes the target reads per batch-1 call (weights, one embedding row, keys and values'
-      f' at context {s["context"]}): {s["target_bytes"] / 1e6:.0f} MB',
-      f'- floor: {median(s["floor_ms"]):.1f} ms per token (median over rounds); our baseline:'
-      f' {median(s["base_ms"]):.1f} ms; median of the per-round ratios: {floor_ratio:.2f}×'
-      ' the floor',
-      '',
-      '## Exactness checks',
-      '',
   ]
-  for name, ok in s['checks'].items():
-    lines.append(f'- {name}: {"yes" if ok else "NO"}')
+  lines += benchmarking.floor_section(
+      s['bandwidths'], s['floor_ms'], s['base_ms'],
+      'bytes the target reads per batch-1 call (weights, one embedding row, keys and values at'
+      f' context {s["context"]}): {s["target_bytes"] / 1e6:.0f} MB')
+  lines += ['', '## Exactness checks', ''] + benchmarking.check_lines(s['checks'])
   if s['hf_agreement'] is not None:
     a = s['hf_agreement']
     lines.append(f'- our greedy baseline vs HF greedy `generate()`: {100 * a["token_agreement"]:.1f}%'

@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import io
 import json
 import os
 import sys
 from typing import Any, Sequence
 
-try:
-  import speclm  # pylint: disable=unused-import
-except ImportError:  # running from a checkout without installing
+if importlib.util.find_spec('speclm') is None:  # running from a checkout without installing
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gin  # pylint: disable=g-import-not-at-top
 
 from speclm import run  # pylint: disable=g-import-not-at-top
+from speclm.analysis import theory  # pylint: disable=g-import-not-at-top
 
 TASKS = ('ende', 'cnndm')
 DRAFTS = ('small', 'base', 'large')
@@ -51,16 +51,8 @@ TASK_PREFIXES = {'ende': 'translate English to German: ', 'cnndm': 'summarize: '
 TASK_METRICS = {'ende': 'bleu', 'cnndm': 'rougeLsum'}  # the column shown in the table
 TASK_SCORERS = {'ende': 'bleu', 'cnndm': 'rouge'}  # run_job.reference_metrics
 
-# Table 2 of the paper (T5-XXL target, one TPU-v4, batch size 1):
-# (task, draft, temperature) -> (γ, α, walltime speedup).
-PAPER = {
-    ('ende', 'small', 0.0): (7, 0.75, 3.4), ('ende', 'small', 1.0): (7, 0.62, 2.6),
-    ('ende', 'base', 0.0): (7, 0.80, 2.8), ('ende', 'base', 1.0): (5, 0.68, 2.4),
-    ('ende', 'large', 0.0): (7, 0.82, 1.7), ('ende', 'large', 1.0): (3, 0.71, 1.4),
-    ('cnndm', 'small', 0.0): (5, 0.65, 3.1), ('cnndm', 'small', 1.0): (5, 0.53, 2.3),
-    ('cnndm', 'base', 0.0): (5, 0.73, 3.0), ('cnndm', 'base', 1.0): (3, 0.55, 2.2),
-    ('cnndm', 'large', 0.0): (3, 0.74, 2.2), ('cnndm', 'large', 1.0): (3, 0.56, 1.7),
-}
+# Table 2 of the paper: (task, draft, temperature) -> (γ, α, walltime speedup).
+PAPER = theory.PAPER_TABLE2
 SMOKE_DRAFT_LAYERS = {'small': 1, 'base': 2, 'large': 3}
 SMOKE_TARGET_LAYERS = 4
 

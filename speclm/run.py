@@ -255,7 +255,7 @@ def checkpoint_model(path: str = gin.REQUIRED,
 @gin.configurable
 def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.REQUIRED,
                         dtype: str | None = None, partitioner=None,
-                        role: str = 'target') -> protocol.Model:
+                        role: str = 'target', cpu_kernels: bool = False) -> protocol.Model:
   """A T5 (`speclm.models.t5`) restored from a T5X or Hugging Face checkpoint.
 
   `config` is a `T5Config`, e.g. the macro `%T5_1_1_XXL` of configs/models/t5_1_1/xxl.gin;
@@ -263,6 +263,8 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
   and the draft can differ. `dtype` (e.g. 'bfloat16') overrides the config's dtypes.
   With the job's `partitioner` (run_job passes it), a legacy T5X checkpoint is read straight
   into its shards (each device reads its slice); other formats are read, then sharded.
+  `cpu_kernels`: for float32 jobs on one CPU, every product through
+  `speclm.kernels.cpu_matmul` (`t5.pack_for_cpu`; a no-op elsewhere).
   """
   _check_path(checkpoint_path, 'checkpoint')
   import dataclasses  # pylint: disable=g-import-not-at-top
@@ -279,9 +281,12 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
       params = sharded.load_t5x_sharded(checkpoint_path, definition, partitioner, role)
     except t5x.CheckpointError as e:
       raise JobError(str(e)) from None
-    return protocol.Model(definition, params)
-  model = t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
-  return model if partitioner is None else partitioner.shard_model(model, role)
+    model = protocol.Model(definition, params)
+  else:
+    model = t5.t5_model(config=config, checkpoint_path=checkpoint_path, dtype=dtype)
+    model = model if partitioner is None else partitioner.shard_model(model, role)
+  # Packed copies are added after sharding: the kernel serves one-device jobs only.
+  return t5.pack_for_cpu(model) if cpu_kernels else model
 
 
 @gin.configurable

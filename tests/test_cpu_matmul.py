@@ -1,4 +1,5 @@
-"""speclm.kernels.cpu_matmul and llama.pack_for_cpu: accurate, row-independent, used."""
+"""speclm.kernels.cpu_matmul, llama.pack_for_cpu and t5.pack_for_cpu: accurate,
+row-independent, used."""
 
 import jax
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import speclm
 from speclm.kernels import cpu_matmul
 from speclm.models import llama
+from speclm.models import t5
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(),
                                 reason='the CPU kernel could not be built here')
@@ -145,3 +147,37 @@ def test_packed_model_gives_the_same_logits_and_exact_speculative_decoding():
   np.testing.assert_array_equal(spec.tokens, base.tokens)
   plain = speclm.autoregressive_decode(target, prompts, lengths, max_new_tokens=24)
   np.testing.assert_array_equal(base.tokens, plain.tokens)
+
+
+def _t5_models():
+  target = t5.random_model(vocab_size=200, emb_dim=64, num_layers=2, num_heads=4, seed=0)
+  draft = t5.random_model(vocab_size=200, emb_dim=64, num_layers=1, num_heads=4, seed=1)
+  return target, draft
+
+
+def test_packed_t5_uses_the_kernel_with_the_same_logits_and_exact_speculative_decoding():
+  target, draft = _t5_models()
+  packed_target, packed_draft = t5.pack_for_cpu(target), t5.pack_for_cpu(draft)
+  decoder = packed_target.params['decoder']
+  assert decoder['layers_0']['self_attention']['out']['packed'].shape == (1, 64, 64)  # [64, 64]
+  assert decoder['logits_dense']['packed'].shape == (4, 64, 64)  # 200 -> 256 columns
+  inputs = np.array([[5, 6, 7, 8, 1], [9, 10, 1, 0, 0]], np.int32)
+  lengths = np.array([5, 3], np.int32)
+  decoder_tokens = np.array([[0, 4, 5, 6], [0, 7, 8, 9]], np.int32)
+  forward = packed_target.definition.forward
+  assert cpu_matmul.TARGET_NAME in str(jax.make_jaxpr(forward)(
+      packed_target.params, inputs, lengths, decoder_tokens))
+  np.testing.assert_allclose(forward(packed_target.params, inputs, lengths, decoder_tokens),
+                             forward(target.params, inputs, lengths, decoder_tokens), atol=1e-5)
+  base = speclm.autoregressive_decode(packed_target, inputs, lengths, max_new_tokens=24,
+                                      eos_id=None)
+  spec = speclm.speculative_decode(packed_target, packed_draft, inputs, lengths, gamma=4,
+                                   max_new_tokens=24, eos_id=None)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  plain = speclm.autoregressive_decode(target, inputs, lengths, max_new_tokens=24, eos_id=None)
+  np.testing.assert_array_equal(base.tokens, plain.tokens)
+
+
+def test_t5_pack_for_cpu_leaves_other_dtypes_alone():
+  model = t5.random_model(vocab_size=64, emb_dim=16, dtype='bfloat16')
+  assert t5.pack_for_cpu(model) is model

@@ -127,6 +127,32 @@ def test_config_mapping_of_public_checkpoints():
                           'num_heads': 4, 'feed_forward_proj': 'gated-mystery'})
 
 
+@pytest.mark.parametrize('version', ['1.0', '1.1'])
+def test_to_transformers_gives_same_logits_and_greedy_generation(version):
+  # Our random weights exported in memory (the benchmark's route to HF generate()).
+  model = t5.random_model(vocab_size=96, emb_dim=32, num_layers=2, num_heads=4, head_dim=8,
+                          mlp_dim=48, version=version, seed=3)
+  config = model.definition.config
+  assert hf_t5.config_from_hf(hf_t5.config_to_hf(config)) == config
+  hf_model = hf_t5.to_transformers(model)
+  ours = np.asarray(model.definition.forward(model.params, INPUTS, LENGTHS, DECODER))
+  assert np.max(np.abs(ours - _hf_logits(hf_model))) < 1e-4
+  # Greedy generation on both sides, one row.
+  import speclm  # pylint: disable=g-import-not-at-top
+  ids = INPUTS[:1, :LENGTHS[0]]
+  with torch.no_grad():
+    theirs = hf_model.generate(torch.tensor(ids), max_new_tokens=8, min_new_tokens=8,
+                               do_sample=False).numpy()[0, 1:]  # after the start token
+  mine = speclm.autoregressive_decode(model, ids.astype(np.int32), np.array([ids.shape[1]]),
+                                      max_new_tokens=8, eos_id=None)
+  np.testing.assert_array_equal(np.asarray(mine.tokens)[0], theirs)
+
+
+def test_config_to_hf_refuses_unnamed_wirings():
+  with pytest.raises(ValueError, match='feed_forward_proj'):
+    hf_t5.config_to_hf(t5.tiny_config(mlp_activations=('gelu', 'silu')))
+
+
 def test_relative_position_buckets_match_transformers():
   from transformers.models.t5 import modeling_t5  # pylint: disable=g-import-not-at-top
   rel = np.arange(-300, 301)

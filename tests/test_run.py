@@ -251,7 +251,8 @@ def test_tpu_script_dry_run_prints_every_gcloud_command(tmp_path):
   assert '--gin_file=ende_small.gin' in commands[3]
 
 
-def test_t5x_checkpoints_through_the_table2_seam(tmp_path):
+@pytest.mark.parametrize('cpu_kernels', [False, True])
+def test_t5x_checkpoints_through_the_table2_seam(tmp_path, cpu_kernels):
   # The Table 2 files' path: T5 configs from configs/models, T5X checkpoints on disk,
   # t5_checkpoint_model as the provider (here tiny, random and byte-level).
   jax = pytest.importorskip('jax')
@@ -270,7 +271,14 @@ def test_t5x_checkpoints_through_the_table2_seam(tmp_path):
       'TARGET = @target/t5_checkpoint_model', 'DRAFT = @draft/t5_checkpoint_model',
       'synthetic_dataset.num_examples = 4', 'MAX_NEW_TOKENS = 6',
       'run_job.add_eos_to_inputs = True', 'run_job.measure_cost = False',
-      'run_job.reference_metrics = []']
+      'run_job.reference_metrics = []',
+      f't5_checkpoint_model.cpu_kernels = {cpu_kernels}']
   metrics = run_tiny(tmp_path / 'out', *bindings)
   assert metrics['num_decoded'] == 4 and metrics['identical_output_rate'] == 1.0
   assert metrics['baseline']['tokens'] > 0
+  # The provider's packing, as the job above used it (where the kernel can be built here).
+  from speclm.kernels import cpu_matmul  # pylint: disable=g-import-not-at-top
+  target = run.t5_checkpoint_model(config=config, checkpoint_path=str(tmp_path / 'target'),
+                                   cpu_kernels=cpu_kernels)
+  packed = 'packed' in target.params['decoder']['logits_dense']
+  assert packed == (cpu_kernels and cpu_matmul.available())

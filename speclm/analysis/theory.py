@@ -34,6 +34,18 @@ PAPER_TABLE1 = {
 }
 
 
+# Table 2 of the paper (T5-XXL target, one TPU-v4, batch size 1):
+# (task, draft, temperature) -> (γ, α, walltime speedup).
+PAPER_TABLE2 = {
+    ('ende', 'small', 0.0): (7, 0.75, 3.4), ('ende', 'small', 1.0): (7, 0.62, 2.6),
+    ('ende', 'base', 0.0): (7, 0.80, 2.8), ('ende', 'base', 1.0): (5, 0.68, 2.4),
+    ('ende', 'large', 0.0): (7, 0.82, 1.7), ('ende', 'large', 1.0): (3, 0.71, 1.4),
+    ('cnndm', 'small', 0.0): (5, 0.65, 3.1), ('cnndm', 'small', 1.0): (5, 0.53, 2.3),
+    ('cnndm', 'base', 0.0): (5, 0.73, 3.0), ('cnndm', 'base', 1.0): (3, 0.55, 2.2),
+    ('cnndm', 'large', 0.0): (3, 0.74, 2.2), ('cnndm', 'large', 1.0): (3, 0.56, 1.7),
+}
+
+
 def _check_alpha(alpha) -> np.ndarray:
   alpha = np.asarray(alpha, dtype=np.float64)
   if np.any(~np.isfinite(alpha)) or np.any((alpha < 0) | (alpha > 1)):

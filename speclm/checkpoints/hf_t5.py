@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from speclm import protocol
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.t5x import CheckpointError
 from speclm.models import layers
@@ -84,6 +85,59 @@ def config_from_hf(hf_config: dict, *, dtype: str = 'float32',
       eos_id=int(hf_config.get('eos_token_id') if hf_config.get('eos_token_id') is not None
                  else 1),
       dtype=dtype, param_dtype=param_dtype or dtype)
+
+
+def config_to_hf(config: t5.T5Config) -> dict[str, Any]:
+  """The Hugging Face `T5Config` keyword arguments of a `T5Config` (`config_from_hf` inverted).
+
+  Raises ValueError for MLP wirings Hugging Face's T5 has no name for.
+  """
+  acts = config.mlp_activations
+  if len(acts) == 2 and acts[1] == 'linear' and acts[0] in ('gelu', 'relu', 'silu'):
+    proj = f'gated-{acts[0]}'  # HF's gated-gelu is the tanh approximation, as ours
+  elif len(acts) == 1 and acts[0] in ('relu', 'gelu_exact', 'gelu', 'silu'):
+    proj = {'relu': 'relu', 'gelu_exact': 'gelu', 'gelu': 'gelu_new', 'silu': 'silu'}[acts[0]]
+  else:
+    raise ValueError(f'Hugging Face T5 has no feed_forward_proj for mlp_activations {acts!r}.')
+  return dict(
+      vocab_size=config.vocab_size, d_model=config.emb_dim, d_kv=config.head_dim,
+      d_ff=config.mlp_dim, num_layers=config.num_encoder_layers,
+      num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
+      relative_attention_num_buckets=config.relative_attention_num_buckets,
+      relative_attention_max_distance=config.relative_attention_max_distance,
+      layer_norm_epsilon=config.layer_norm_epsilon, feed_forward_proj=proj,
+      # Read by transformers as "v1.0: scale the decoder output by 1/√D and tie the head".
+      tie_word_embeddings=config.logits_via_embedding, dropout_rate=0.0,
+      decoder_start_token_id=config.decoder_start_token_id, pad_token_id=config.pad_id,
+      eos_token_id=config.eos_id, is_encoder_decoder=True)
+
+
+def to_transformers(model: protocol.Model):
+  """A float32 `transformers.T5ForConditionalGeneration` (eval mode) with this T5's weights.
+
+  For side-by-side comparisons with Hugging Face `generate()`; needs the `hf` extra.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  config = model.definition.config
+  hf_model = transformers.T5ForConditionalGeneration(
+      transformers.T5Config(**config_to_hf(config)))
+  flat = t5.flatten_names(model.params)
+  weights = {}
+  for ours, (hf_name, transpose) in _mapping(config).items():
+    array = np.asarray(flat[ours], np.float32)
+    weights[hf_name] = torch.from_numpy(np.array(array.T if transpose else array))  # a copy
+  head = weights.pop('lm_head.weight', None)
+  missing, unexpected = hf_model.load_state_dict(weights, strict=False)
+  tied = {'encoder.embed_tokens.weight', 'decoder.embed_tokens.weight', 'lm_head.weight'}
+  missing = [k for k in missing if k not in tied]
+  if missing or unexpected:
+    raise ValueError(f'Weights do not fit T5ForConditionalGeneration: missing {missing[:5]},'
+                     f' unexpected {unexpected[:5]}.')
+  if head is not None:
+    # transformers >= 5 always ties lm_head to the embedding; T5 1.1 has a head of its own.
+    hf_model.lm_head.weight = torch.nn.Parameter(head)
+  return hf_model.float().eval()
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict:

@@ -19,7 +19,8 @@ The kernel is compiled with the system C++ compiler on first use (for this machi
 -march=native) into a cache directory, `$SPECLM_KERNEL_CACHE` or ~/.cache/speclm/kernels, and
 registered with `jax.ffi`. `available()` is False, with the reason logged once, where that is
 impossible (no compiler, or JAX's default backend is not the CPU), and callers keep XLA's
-product. `llama.pack_for_cpu` applies it to a whole model.
+product. `pack_tree` adds packed copies to a whole parameter tree; `llama.pack_for_cpu` and
+`t5.pack_for_cpu` apply it to a model.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +142,31 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
                          jax.ShapeDtypeStruct((m, packed.shape[0] * PANEL), jnp.float32))(
                              x, packed)
   return out if out.shape[1] == n else out[:, :n]
+
+
+def usable(dtype) -> bool:
+  """Whether the kernel can serve a model of activation `dtype` here: float32, one device
+  (packed copies do not follow sharding rules), the kernel built."""
+  return jnp.dtype(dtype) == jnp.float32 and jax.device_count() == 1 and available()
+
+
+def pack_tree(tree, *, input_dims: Mapping[str, int] | None = None,
+              rounded: tuple[str, ...] = (), name: str | None = None):
+  """A parameter tree with a `packed` copy (`pack`) beside every `kernel`.
+
+  A module's kernel is `[inputs…, outputs…]`; `input_dims` names the modules whose leading
+  dims are inputs when there is more than one (default 1), and they are flattened to one.
+  Panels are bfloat16 where that is exact, or where the module's name is in `rounded`
+  (rounding its weights), float32 elsewhere.
+  """
+  input_dims = input_dims or {}
+  if not isinstance(tree, dict):
+    return tree
+  out = {key: pack_tree(value, input_dims=input_dims, rounded=rounded, name=key)
+         for key, value in tree.items()}
+  if 'kernel' in tree and not isinstance(tree['kernel'], dict):
+    kernel = np.asarray(tree['kernel'], np.float32)
+    inputs = int(np.prod(kernel.shape[:input_dims.get(name, 1)]))
+    dtype = 'bfloat16' if name in rounded else 'auto'
+    out['packed'] = jnp.asarray(pack(kernel.reshape(inputs, -1), dtype))
+  return out

@@ -434,23 +434,14 @@ def cpu_kernels_usable(dtype) -> bool:
   """Whether `cpu_matmul` can serve a model of activation `dtype` here (float32, one CPU
   device, the kernel built)."""
   from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-  return (jnp.dtype(dtype) == jnp.float32 and jax.device_count() == 1
-          and cpu_matmul.available())
+  return cpu_matmul.usable(dtype)
 
 
-def pack_tree_for_cpu(tree, name=None, rounded: tuple[str, ...] = ()):
+def pack_tree_for_cpu(tree, rounded: tuple[str, ...] = ()):
   """A parameter tree with a `packed` copy beside every `kernel` (see `pack_for_cpu`):
   bfloat16 panels where that is exact or the module's name is in `rounded`, else float32."""
   from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-  if not isinstance(tree, dict):
-    return tree
-  out = {key: pack_tree_for_cpu(value, key, rounded) for key, value in tree.items()}
-  if 'kernel' in tree and not isinstance(tree['kernel'], dict):
-    kernel = np.asarray(tree['kernel'], np.float32)
-    inputs = math.prod(kernel.shape[:_INPUT_DIMS.get(name, 1)])
-    dtype = 'bfloat16' if name in rounded else 'auto'
-    out['packed'] = jnp.asarray(cpu_matmul.pack(kernel.reshape(inputs, -1), dtype))
-  return out
+  return cpu_matmul.pack_tree(tree, input_dims=_INPUT_DIMS, rounded=rounded)
 
 
 def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2, seed: int = 0,

@@ -205,6 +205,11 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
+    if self.has_variable('params', 'packed'):  # see `pack_for_cpu`
+      from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+      y = cpu_matmul.matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32),
+                            self.get_variable('params', 'packed'), self.features)
+      return y.reshape(x.shape[:-1] + (self.features,)).astype(self.dtype)
     kernel = self.param('kernel', nn.initializers.normal(self.stddev),
                         (x.shape[-1], self.features), self.param_dtype)
     return layers.dot('...i,io->...o', x, kernel, self.dtype)
@@ -609,23 +614,43 @@ def check_tree_shapes(expected, actual) -> None:
                        f' {tuple(want.shape)}.')
 
 
+def pack_for_cpu(model: protocol.Model) -> protocol.Model:
+  """The same model with every `Dense` kernel also stored for `speclm.kernels.cpu_matmul`.
+
+  Every projection then runs through the packed copy (as `llama.pack_for_cpu`): the weights
+  are streamed once for any number of rows, so a verification call of γ + 1 tokens costs
+  about one decode step on CPU where XLA's product costs about two, and a row's product never
+  depends on how many rows share the call. Float32 models only; costs a second copy of the
+  weights; inference only. Returns the model unchanged where the kernel is unusable (another
+  dtype, another backend, several devices, no C++ compiler). A v1.0 model's output layer is
+  its embedding and stays XLA's product.
+  """
+  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  if not cpu_matmul.usable(model.definition.config.dtype):
+    return model
+  return protocol.Model(model.definition, cpu_matmul.pack_tree(dict(model.params)))
+
+
 @gin.configurable
 def t5_model(config: T5Config = gin.REQUIRED, checkpoint_path: str | None = None,
-             dtype: str | None = None) -> protocol.Model:
+             dtype: str | None = None, cpu_kernels: bool = False) -> protocol.Model:
   """A gin-friendly T5: the definition with params restored from `checkpoint_path`.
 
   Without a checkpoint the parameters are random (seed 0), which is only useful for tests.
   The format is detected from the path: a Hugging Face directory (config.json), a T5X Orbax
-  checkpoint, or a legacy T5X msgpack checkpoint.
+  checkpoint, or a legacy T5X msgpack checkpoint. `cpu_kernels` applies `pack_for_cpu` (for
+  float32 decoding on one CPU; a no-op elsewhere).
   """
   if dtype is not None:
     config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
   definition = T5(config)
   if checkpoint_path is None:
-    return protocol.Model(definition, definition.init_params(jax.random.key(0)))
-  from speclm.checkpoints import load_t5_params  # pylint: disable=g-import-not-at-top
-  params = jax.device_put(load_t5_params(checkpoint_path, definition))
-  return protocol.Model(definition, params)
+    model = protocol.Model(definition, definition.init_params(jax.random.key(0)))
+  else:
+    from speclm.checkpoints import load_t5_params  # pylint: disable=g-import-not-at-top
+    params = jax.device_put(load_t5_params(checkpoint_path, definition))
+    model = protocol.Model(definition, params)
+  return pack_for_cpu(model) if cpu_kernels else model
 
 
 def tiny_config(vocab_size: int = 64, emb_dim: int = 16, num_heads: int = 2,
@@ -660,5 +685,6 @@ def count_params(config: T5Config) -> int:
 
 __all__: Sequence[str] = [
     'DEFAULT_VOCABULARY_PATH', 'T5', 'T5Cache', 'T5Config', 'T5Module', 'check_tree_shapes',
-    'count_params', 'random_model', 'relative_position_bucket', 't5_model', 'tiny_config',
+    'count_params', 'pack_for_cpu', 'random_model', 'relative_position_bucket', 't5_model',
+    'tiny_config',
 ]
