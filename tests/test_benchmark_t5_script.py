@@ -67,3 +67,12 @@ def test_smoke_run_on_the_shared_t5x_checkpoint(tmp_path):
   assert '- greedy speculative = baseline, batch 2: yes' in checks
   assert '- HF assisted = HF generate() (greedy): yes' in checks
   assert 'NO' not in checks
+
+
+def test_scripts_defining_the_same_flags_load_side_by_side(script):
+  # Both benchmarks define --max_new_tokens; each loaded script gets flags of its own.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  other = scripts.load_script(os.path.join(REPO, 'scripts', 'benchmark.py'))
+  assert script.flags.FLAGS is not flags.FLAGS
+  assert script.flags.FLAGS.max_new_tokens == 64 and other.flags.FLAGS.max_new_tokens == 128
+  assert 'max_new_tokens' not in flags.FLAGS
