@@ -28,7 +28,7 @@ prediction that stands in for it.
 Inputs are random token ids of `--input_length` (a new draw each round; batch rows differ).
 Every row generates exactly `--max_new_tokens` tokens (the end token is not a stop).
 
-  python scripts/benchmark_t5.py                 # T5 1.1 large target, small draft (~15 min)
+  python scripts/benchmark_t5.py                 # T5 1.1 large target, small draft (~16 min)
   python scripts/benchmark_t5.py --target=base --rounds=1 --max_new_tokens=8 \
       --output=/tmp/t5.md                        # a smoke run
 """

@@ -1,5 +1,5 @@
 """scripts/benchmark_t5.py: its floor's byte count by hand, its size configs, and an end-to-end
-run on the shared tiny T5X checkpoint (the real run takes ~15 minutes; docs/benchmarks_t5.md)."""
+run on the shared tiny T5X checkpoint (the real run takes ~16 minutes; docs/benchmarks_t5.md)."""
 
 import os
 
