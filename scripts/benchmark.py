@@ -27,7 +27,6 @@ It prints the table and ratios and writes `docs/benchmarks.md` (never edit that 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import os
 import time
@@ -45,6 +44,7 @@ from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import find
+from speclm.analysis.benchmarking import fmt
 from speclm.analysis.benchmarking import median
 from speclm.analysis.benchmarking import ratio
 from speclm.checkpoints import gguf
@@ -356,11 +356,8 @@ def main(argv):
   alphas = {}
   for case in cases:
     if case.name == 'speclm speculative':
-      sums = sum(float(s.beta_sum) for s in case.stats)
-      counts = sum(int(s.beta_count) for s in case.stats)
-      calls = sum(int(s.target_calls) for s in case.stats)
       alphas[(case.batch_size, case.temperature)] = dict(
-          alpha=sums / counts, tokens_per_call=_MAX_NEW.value * len(case.stats) / calls,
+          alpha=case.pooled_alpha(), tokens_per_call=case.tokens_per_target_call(),
           row_alphas=[row_alphas(s) for s in case.stats])
   context = int(np.mean([len(tok.encode_chat(p)) for p in prompts])) + _MAX_NEW.value // 2
   costs = {b: measure.measure_costs(target, draft, gamma=_gamma(b), batch_size=b,
@@ -441,25 +438,11 @@ def main(argv):
                  base_ms=base_ms, ablations=ablations,
                  context=context, seconds=time.time() - started,
                  draft_card=smollm2_draft.read()[2])
-  report = render(summary)
-  print(report)
-  os.makedirs(os.path.dirname(_OUTPUT.value) or '.', exist_ok=True)
-  with open(_OUTPUT.value, 'w') as f:
-    f.write(report)
-  print(f'wrote {_OUTPUT.value}')
+  benchmarking.write_report(render(summary), _OUTPUT.value)
 
 
 def render(s: dict) -> str:
-  def fmt(x, spec='.2f'):
-    return '—' if x is None else format(x, spec)
-
-  lines = [
-      '# Benchmarks',
-      '',
-      'Written by `python scripts/benchmark.py` (do not edit by hand; rerun it).',
-      '',
-      f'- date: {datetime.date.today().isoformat()}; total run time {s["seconds"] / 60:.1f} min',
-      f'- machine: {benchmarking.machine_line()}',
+  lines = benchmarking.report_header('Benchmarks', 'scripts/benchmark.py', s['seconds']) + [
       f'- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF) and'
       f' the shipped {s["draft_card"].get("num_layers")}-layer draft'
       f' ({s["draft_card"].get("subset_size")}-token head)' + (

@@ -36,7 +36,6 @@ Every row generates exactly `--max_new_tokens` tokens (the end token is not a st
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import time
 
@@ -53,6 +52,7 @@ from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import find
+from speclm.analysis.benchmarking import fmt
 from speclm.analysis.benchmarking import median
 from speclm.analysis.benchmarking import ratio
 from speclm.models import t5
@@ -275,13 +275,11 @@ def main(argv):
       continue
     gamma = gamma_at(case.batch_size)
     cost = costs[(case.batch_size, gamma)]
-    alpha = (sum(float(s.beta_sum) for s in case.stats) /
-             max(sum(int(s.beta_count) for s in case.stats), 1))
-    calls = sum(int(s.target_calls) for s in case.stats)
+    alpha = case.pooled_alpha()
     key = f'speculative / baseline, T={case.temperature:g}, batch {case.batch_size}'
     predictions[key] = dict(
         alpha=alpha, gamma=gamma, c=cost.c, r=cost.r,
-        tokens_per_call=_MAX_NEW.value * len(case.stats) / max(calls, 1),
+        tokens_per_call=case.tokens_per_target_call(),
         predicted=float(theory.walltime_improvement(alpha, gamma, cost.c, cost.r)),
         measured=ratios[key])
   paper = []
@@ -301,12 +299,7 @@ def main(argv):
                  base_ms=base_ms, step_bytes=step_bytes, decoded=decoded,
                  random_weights=random_weights, target=target, draft=draft,
                  seconds=time.time() - started)
-  report = render(summary)
-  print(report)
-  os.makedirs(os.path.dirname(_OUTPUT.value) or '.', exist_ok=True)
-  with open(_OUTPUT.value, 'w', encoding='utf-8') as f:
-    f.write(report)
-  print(f'wrote {_OUTPUT.value}')
+  benchmarking.write_report(render(summary), _OUTPUT.value)
 
 
 def _model_line(role: str, size: str, model: protocol.Model, checkpoint: str | None) -> str:
@@ -316,16 +309,8 @@ def _model_line(role: str, size: str, model: protocol.Model, checkpoint: str | N
 
 
 def render(s: dict) -> str:
-  def fmt(x, spec='.2f'):
-    return '—' if x is None else format(x, spec)
-
-  lines = [
-      '# Benchmarks: T5',
-      '',
-      'Written by `python scripts/benchmark_t5.py` (do not edit by hand; rerun it).',
-      '',
-      f'- date: {datetime.date.today().isoformat()}; total run time {s["seconds"] / 60:.1f} min',
-      f'- machine: {benchmarking.machine_line()}',
+  lines = benchmarking.report_header('Benchmarks: T5', 'scripts/benchmark_t5.py',
+                                      s['seconds']) + [
       _model_line('target', _TARGET.value, s['target'], _TARGET_CHECKPOINT.value),
       _model_line('draft', _DRAFT.value, s['draft'], _DRAFT_CHECKPOINT.value),
       f'- settings: γ = {_GAMMA.value} at batch 1 and {_BATCH_GAMMA.value} at batch'

@@ -10,6 +10,7 @@ median, so they stay meaningful when absolute times drift.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import importlib.metadata
 import os
 import platform
@@ -53,6 +54,16 @@ class Case:
   def tokens_per_second(self) -> list[float]:
     """Per round: tokens generated per second over all rows."""
     return [self.batch_size * self.new_tokens / s for s in self.seconds]
+
+  def pooled_alpha(self) -> float:
+    """α over every round of a speculative case: the exact β sum over the β count."""
+    count = sum(int(s.beta_count) for s in self.stats)
+    return sum(float(s.beta_sum) for s in self.stats) / max(count, 1)
+
+  def tokens_per_target_call(self) -> float:
+    """Generated positions per target call over every round of a speculative case."""
+    calls = sum(int(s.target_calls) for s in self.stats)
+    return self.new_tokens * len(self.stats) / max(calls, 1)
 
 
 def find(cases: Sequence[Case], name: str, batch_size: int, temperature: float,
@@ -223,6 +234,28 @@ def floor_section(bandwidths: Sequence[float], floor_ms: Sequence[float],
       f' {median(base_ms):.1f} ms; median of the per-round ratios:'
       f' {floor_ratio(base_ms, floor_ms):.2f}× the floor',
   ]
+
+
+def fmt(x: float | None, spec: str = '.2f') -> str:
+  """A number for a report table; '—' for a missing one."""
+  return '—' if x is None else format(x, spec)
+
+
+def report_header(title: str, script: str, seconds: float) -> list[str]:
+  """The title, the "written by" line, the date and run time, and the machine."""
+  return [f'# {title}', '',
+          f'Written by `python {script}` (do not edit by hand; rerun it).', '',
+          f'- date: {datetime.date.today().isoformat()}; total run time {seconds / 60:.1f} min',
+          f'- machine: {machine_line()}']
+
+
+def write_report(report: str, path: str) -> None:
+  """Prints the report and writes it to `path` (creating its folder)."""
+  print(report)
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(report)
+  print(f'wrote {path}')
 
 
 def check_lines(checks: dict[str, bool]) -> list[str]:
