@@ -48,7 +48,7 @@ class StopReason(enum.IntEnum):
   END_OF_SEQUENCE = 1  # generated `eos_id` (included in the output)
   MAX_NEW_TOKENS = 2  # reached its `max_new_tokens`
   CACHE_FULL = 3  # the next call would not fit in the cache (only with an explicit cache_length)
-  BAD_LOGITS = 4  # a model returned NaN or inf logits
+  BAD_LOGITS = 4  # a model returned NaN or +inf logits (no token drawn from them is output)
 
 
 @struct.dataclass
@@ -182,6 +182,7 @@ def autoregressive_decode(
   """
   prompts, lengths, limits = _validate_common(model, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
+  _check_context(model.definition, 'model', lengths, limits)
   capacity = _capacity(model.definition, prompts.shape[1], int(limits.max()), 0, cache_length)
   loop = (_autoregressive_jit if partitioner is None else
           partitioner.jit_decode_loop(_autoregressive_loop, num_models=1))
@@ -235,6 +236,8 @@ def speculative_decode(
     if draft.definition.feature_dim != target.definition.feature_dim:
       raise ValueError(f'The draft reads features of width {draft.definition.feature_dim}, the'
                        f' target\'s are {target.definition.feature_dim} wide.')
+  _check_context(target.definition, 'target', lengths, limits)
+  _check_context(draft.definition, 'draft', lengths, limits)
   width = prompts.shape[1]
   if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
     raise ValueError(
@@ -295,6 +298,20 @@ def _validate_common(model, prompt_tokens, prompt_lengths, sampling, max_new_tok
           jnp.asarray(limits, jnp.int32))
 
 
+def _check_context(definition: protocol.LanguageModel, role: str, lengths, limits) -> None:
+  """Refuses rows whose prompt plus new tokens run past the model's context (the positions
+  its training covered), when the definition declares one as `max_context_length`."""
+  context = getattr(definition, 'max_context_length', None)
+  if context is None:
+    return
+  lengths, limits = np.asarray(lengths, np.int64), np.asarray(limits, np.int64)
+  worst = int(np.argmax(lengths + limits))
+  if lengths[worst] + limits[worst] > context:
+    raise ValueError(
+        f'prompt of {lengths[worst]} tokens + max_new_tokens {limits[worst]} exceeds the'
+        f' {role}\'s context of {context} tokens; shorten the prompt or lower max_new_tokens.')
+
+
 def _capacity(definition: protocol.LanguageModel, prompt_width: int, max_new: int, gamma: int,
               cache_length: int | None) -> int:
   """Cache positions per row: the prefix, every new token, and one round's lookahead."""
@@ -349,7 +366,8 @@ def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sam
            buffer_length, capacity, draft_cache, gamma, with_features=False):
   """Prefills the target and draws the first token from its p̃ (shared by both loops).
 
-  Returns the state, and with `with_features` also the target's features `[B, P, D]`.
+  A row whose prefill logits are bad stops with BAD_LOGITS and no token. Returns the state,
+  and with `with_features` also the target's features `[B, P, D]`.
   """
   batch = prompts.shape[0]
   cache = target_def.init_cache(batch, capacity)
@@ -368,11 +386,12 @@ def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sam
       num_generated=jnp.zeros((batch,), jnp.int32),
       prev_token=target_def.last_prefix_token(prompts, lengths).astype(jnp.int32),
       pending_token=first,
-      stop_reasons=jnp.full((batch,), StopReason.RUNNING, jnp.int32),
+      stop_reasons=jnp.where(_bad(logits), StopReason.BAD_LOGITS,
+                             StopReason.RUNNING).astype(jnp.int32),
       target_cache=cache, draft_cache=draft_cache, rng=rng, stats=stats)
+  # `_append` writes to running rows only: a row stopped for bad logits keeps 0 tokens.
   tokens, num_generated, reasons = _append(state, first[:, None], jnp.ones((batch,), jnp.int32),
                                            limits, eos_id)
-  reasons = jnp.where(_bad(logits), StopReason.BAD_LOGITS, reasons)
   state = state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
   return (state, features) if with_features else state
 
@@ -406,13 +425,15 @@ def _autoregressive_loop(model_def, params, prompts, lengths, limits, rng, eos_i
     # Finished rows keep their cache length (their writes land past it and are never read).
     old_lengths = model_def.cache_lengths(state.target_cache)
     cache = model_def.rollback(cache, jnp.where(active, old_lengths + 1, old_lengths))
-    tokens, num_generated, reasons = _append(state, token[:, None], jnp.ones_like(token),
-                                             limits, eos_id)
-    reasons = jnp.where(active & _bad(logits), StopReason.BAD_LOGITS, reasons)
+    # A row whose logits are bad stops first, so the token drawn from them is not appended.
+    bad = active & _bad(logits)
+    tokens, num_generated, reasons = _append(
+        state.replace(stop_reasons=jnp.where(bad, StopReason.BAD_LOGITS, state.stop_reasons)),
+        token[:, None], jnp.ones_like(token), limits, eos_id)
     stats = state.stats.replace(target_calls=state.stats.target_calls + 1,
                                 target_calls_per_row=state.stats.target_calls_per_row + active)
     return state.replace(tokens=tokens, num_generated=num_generated, prev_token=state.pending_token,
-                         pending_token=jnp.where(active, token, state.pending_token),
+                         pending_token=jnp.where(active & ~bad, token, state.pending_token),
                          stop_reasons=reasons, target_cache=cache, rng=rng, stats=stats)
 
   state = jax.lax.while_loop(lambda s: jnp.any(s.active), step, state)
@@ -515,8 +536,13 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     offsets = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafted, drafted[:, -1:]], axis=1)
     new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
-    tokens, num_generated, reasons = _append(state, new_tokens, n + 1, limits, eos_id)
-    reasons = jnp.where(active & (_bad(logits) | draft_bad), StopReason.BAD_LOGITS, reasons)
+    # A row with bad logits anywhere in the round (the target's γ+1 or the draft's) stops
+    # first and appends nothing from it: n and t were computed from those logits.
+    bad = active & (_bad(logits) | draft_bad)
+    good = active & ~bad
+    tokens, num_generated, reasons = _append(
+        state.replace(stop_reasons=jnp.where(bad, StopReason.BAD_LOGITS, state.stop_reasons)),
+        new_tokens, n + 1, limits, eos_id)
     # The token before the new pending one: x_n, or the old pending token when n = 0.
     prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
                                                 axis=1)[:, 0], state.pending_token)
@@ -528,27 +554,28 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
         return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
       before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
                               draft_features[:, 1])
-      draft_features = jnp.where(active[:, None, None],
+      draft_features = jnp.where(good[:, None, None],
                                  jnp.stack([before_prev, feature_at(n)], axis=1), draft_features)
 
-    # Statistics: β counts at positions 1 … min(n+1, γ), the ones the sequence reached.
-    reached = (offsets[:, :gamma] <= n[:, None]) & active[:, None]
+    # Statistics: β counts at positions 1 … min(n+1, γ), the ones the sequence reached. A
+    # round discarded for bad logits counts as a target call, nothing else.
+    reached = (offsets[:, :gamma] <= n[:, None]) & good[:, None]
     beta_row = jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1)
     count_row = jnp.sum(reached, axis=1).astype(jnp.int32)
     s = state.stats
     stats = s.replace(
         target_calls=s.target_calls + 1, draft_calls=s.draft_calls + gamma,
         target_calls_per_row=s.target_calls_per_row + active,
-        accepted_per_row=s.accepted_per_row + jnp.where(active, n, 0),
+        accepted_per_row=s.accepted_per_row + jnp.where(good, n, 0),
         accepted_histogram=s.accepted_histogram + jnp.sum(
-            jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * active[:, None], axis=0),
+            jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * good[:, None], axis=0),
         beta_sum=s.beta_sum + jnp.sum(beta_row), beta_count=s.beta_count + jnp.sum(count_row),
         beta_sum_per_row=s.beta_sum_per_row + beta_row,
         beta_count_per_row=s.beta_count_per_row + count_row)
     return state.replace(
         tokens=tokens, num_generated=num_generated,
-        prev_token=jnp.where(active, prev, state.prev_token),
-        pending_token=jnp.where(active, result.next_token, state.pending_token),
+        prev_token=jnp.where(good, prev, state.prev_token),
+        pending_token=jnp.where(good, result.next_token, state.pending_token),
         stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
         stats=stats, draft_features=draft_features)
 

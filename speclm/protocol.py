@@ -78,6 +78,12 @@ class LanguageModel(abc.ABC):
     """Raises ValueError if `params` does not fit this definition. Optional."""
     del params
 
+  @property
+  def max_context_length(self) -> int | None:
+    """Positions the model was trained for (prompt + generated), or None when unlimited or
+    unknown. Decoding refuses a prompt plus `max_new_tokens` longer than this."""
+    return None
+
 
 class WrappedLanguageModel(LanguageModel):
   """A model that changes some calls of an `inner` model (a field of the subclass) and hands
@@ -96,6 +102,10 @@ class WrappedLanguageModel(LanguageModel):
 
   def cache_capacity(self, cache):
     return self.inner.cache_capacity(cache)
+
+  @property
+  def max_context_length(self) -> int | None:
+    return self.inner.max_context_length
 
 
 class FeatureSource(abc.ABC):

@@ -57,9 +57,13 @@ from speclm import sampling as sampling_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks  # pylint: disable=unused-import  (registers seqio_dataset)
 from speclm.data import vocab as vocab_lib
+from speclm.job import fingerprint as fingerprint_lib
 from speclm.models import llama
 
 MODES = ('speculative', 'baseline', 'compare')
+# The decoding methods each mode runs, in the order they run.
+METHODS = {'speculative': ('speculative',), 'baseline': ('baseline',),
+           'compare': ('baseline', 'speculative')}
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            'configs')
 
@@ -166,12 +170,97 @@ def _required_message(names: Sequence[str]) -> str:
           f' the command line: {examples} (strings in quotes: --gin.{names[0]}="\'value\'").')
 
 
+def warn(message: str) -> None:
+  """One warning line on stderr (the job goes on)."""
+  print(f'speclm.run: warning: {message}', file=sys.stderr)
+
+
+_INCLUDE = re.compile(r"""^\s*include\s+(['"])(.+?)\1""", re.MULTILINE)
+
+
+def _resolve_gin_file(name: str) -> str | None:
+  """The file gin opens for `name`: the first search-path entry that has it."""
+  prefixes = gin.config._LOCATION_PREFIXES if not os.path.isabs(name) else ['']  # pylint: disable=protected-access
+  for prefix in prefixes:
+    candidate = os.path.join(prefix, name)
+    if os.path.isfile(candidate):
+      return candidate
+  return None
+
+
+def shadowed_configs(gin_files: Sequence[str]) -> list[tuple[str, str]]:
+  """(local file, repository file) for each gin file or include, followed recursively, that the
+  search path finds outside configs/ although configs/ has a file of that name."""
+  shadowed, seen, pending = [], set(), list(gin_files)
+  while pending:
+    name = pending.pop()
+    resolved = _resolve_gin_file(name)
+    if resolved is None or os.path.realpath(resolved) in seen:
+      continue
+    seen.add(os.path.realpath(resolved))
+    ours = os.path.join(CONFIGS_DIR, name)
+    if (not os.path.isabs(name) and os.path.isfile(ours)
+        and os.path.realpath(ours) != os.path.realpath(resolved)):
+      shadowed.append((os.path.abspath(resolved), ours))
+    try:
+      with open(resolved, encoding='utf-8') as f:
+        pending += [m.group(2) for m in _INCLUDE.finditer(f.read())]
+    except (OSError, UnicodeDecodeError):
+      continue
+  return shadowed
+
+
+def _walk_references(value: Any, found: set[str]) -> None:
+  if isinstance(value, gin.config.ConfigurableReference):
+    if value._selector == 'gin.macro':  # pylint: disable=protected-access
+      found.add(value._scopes[-1])  # pylint: disable=protected-access
+  elif isinstance(value, (list, tuple)):
+    for item in value:
+      _walk_references(item, found)
+  elif isinstance(value, dict):
+    for item in value.values():
+      _walk_references(item, found)
+
+
+def unused_macros() -> tuple[list[str], list[str]]:
+  """(macros nothing references, macros something references), after parsing."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  defined = {scope for scope, selector in config if selector == 'gin.macro'}
+  used: set[str] = set()
+  for params in config.values():
+    for value in params.values():
+      _walk_references(value, used)
+  return sorted(defined - used), sorted(defined & used)
+
+
+_MACRO_BINDING = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=')
+
+
+def _check_macros(gin_bindings: Sequence[str]) -> None:
+  """A macro set on the command line that nothing uses is a misspelling: stop and say so."""
+  unused, used = unused_macros()
+  if not unused:
+    return
+  from_flags = {m.group(1) for b in gin_bindings for m in [_MACRO_BINDING.match(b)] if m}
+  for name in unused:
+    close = difflib.get_close_matches(name, used, n=1)
+    hint = f' Did you mean {close[0]}?' if close else ''
+    if name in from_flags:
+      raise JobError(f'--gin.{name} sets a macro that no configuration uses.{hint}')
+    warn(f'the gin macro {name} is set but no configuration uses it.{hint}')
+
+
 def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
               gin_search_paths: Sequence[str] = ()) -> None:
-  """Parses files then bindings (later ones win) and checks no required setting is left unset."""
+  """Parses files then bindings (later ones win) and checks no required setting is left unset,
+  no macro set on the command line goes unused, and says which repository gin files are
+  shadowed by local files of the same name."""
   gin.clear_config()  # a fresh configuration each time (tools and tests parse more than once)
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
+  for local, ours in shadowed_configs(gin_files):
+    warn(f'{local} shadows the repository\'s {os.path.relpath(ours, os.path.dirname(CONFIGS_DIR))}'
+         ' (the search path finds it first); rename it to use the repository\'s file.')
   # Gin logs an error for every search-path entry that lacks a file, even when a later entry
   # has it; silence that while parsing (a file found nowhere still raises).
   std_logging.disable(std_logging.ERROR)
@@ -185,6 +274,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
   missing = unset_required()
   if missing:
     raise JobError(_required_message(missing))
+  _check_macros(gin_bindings)
   gin.finalize()
 
 
@@ -214,15 +304,16 @@ def gamma_for_temperature(temperature: float = gin.REQUIRED, at_0: int = gin.REQ
 @gin.configurable
 def random_llama(vocab_size: int = 259, embed_dim: int = 32, num_layers: int = 2,
                  num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0,
-                 dtype: str = 'float32', partitioner=None, role: str = 'target'
-                 ) -> protocol.Model:
+                 dtype: str = 'float32', partitioner=None, role: str = 'target',
+                 max_position_embeddings: int | None = None) -> protocol.Model:
   """A Llama with random weights (tests, smoke runs). Models made with the same seed share the
   weights of the layers they have in common, so a 1-layer draft of a 2-layer target agrees
-  with it more often than an unrelated model."""
+  with it more often than an unrelated model. `max_position_embeddings`: its context length
+  (None: unlimited)."""
   config = llama.LlamaConfig(
       vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim, num_heads=num_heads,
       num_kv_heads=num_kv_heads, head_dim=max(2, embed_dim // num_heads), mlp_dim=2 * embed_dim,
-      param_dtype=dtype, dtype=dtype)
+      param_dtype=dtype, dtype=dtype, max_position_embeddings=max_position_embeddings)
   definition = llama.Llama(config)
   # One compiled initializer per definition: eager Flax init dispatches every op one by one,
   # which costs seconds per model on a busy CPU.
@@ -460,6 +551,7 @@ def _decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft
   for row, item in enumerate(batch.examples):  # padding rows (past num_real) are dropped
     record = _base_record(item)
     record['batch'] = batch.examples[0].example.index  # rows decoded together share it
+    record['batch_rows'] = batch.num_real  # a resume redoes a batch recorded only in part
     for method in methods:
       record[method] = _row_record(method, results[method], row, token_lists[method][row],
                                    vocabulary, times[method] / batch.num_real)
@@ -488,6 +580,17 @@ def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: li
   return record
 
 
+ON_BAD_LOGITS = ('fail', 'warn')
+
+
+class BadLogitsError(JobError):
+  """The job finished and wrote its outputs, but some rows stopped on non-finite logits."""
+
+
+class Interrupted(JobError):
+  """Ctrl-C during a job: what was recorded stays, and rerunning the command resumes."""
+
+
 @gin.configurable(denylist=['progress_stream'])
 def run_job(*,
             mode: str = 'speculative',
@@ -511,6 +614,8 @@ def run_job(*,
             reference_metrics: Sequence[str] = ('bleu', 'rouge'),
             show_progress: bool = True,
             partitioner: Any = None,
+            overwrite: bool = False,
+            on_bad_logits: str = 'fail',
             progress_stream=None) -> dict[str, Any]:
   """Decodes a dataset and writes predictions and metrics to `output_dir`; returns the metrics.
 
@@ -520,6 +625,8 @@ def run_job(*,
     vocabulary: a vocabulary provider; its end token stops generation.
     dataset: a dataset provider.
     output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
+      A directory holding a different job (any setting in its job.json fingerprint differs,
+      `speclm.job.fingerprint`) is refused before anything in it changes.
     gamma: tokens drafted per target call (γ).
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
@@ -528,6 +635,8 @@ def run_job(*,
     seed: base seed; each batch uses seed + its first example's index, in both methods.
     max_input_length, length_buckets, on_too_long, add_eos_to_inputs: input encoding (see
       `speclm.data.inputs.encode_examples`); buckets default to powers of two up to the limit.
+      When the target (or draft) has a known context length, inputs are also held to that
+      context less `max_new_tokens`, by the same `on_too_long` rule.
     max_examples: decode only the first N examples.
     exclude_compile_time: run each new batch shape once untimed first, so wall times (and the
       speedup) measure decoding, not XLA compilation.
@@ -539,6 +648,10 @@ def run_job(*,
     partitioner: a `speclm.partitioning.Partitioner` (or a provider of one, e.g.
       `@partitioning.Partitioner()`): models are sharded over its mesh (the draft by its draft
       rules) and decoded with its shardings. None: one device.
+    overwrite: discard whatever outputs `output_dir` holds and decode everything anew.
+    on_bad_logits: rows that stopped on non-finite logits (`StopReason.BAD_LOGITS`) are counted
+      in metrics.json and warned about in the summary; 'fail' (default) then raises
+      `BadLogitsError` (the command exits 1), 'warn' only warns.
 
   Several processes (after `partitioning.initialize_distributed`): process p decodes the
   examples at positions p, p + P, p + 2P, … into `output_dir/process_<p>/`; after a barrier
@@ -547,8 +660,13 @@ def run_job(*,
   job_start = time.perf_counter()
   if mode not in MODES:
     raise JobError(f"run_job.mode must be one of {MODES}, got {mode!r}.")
-  methods = {'speculative': ('speculative',), 'baseline': ('baseline',),
-             'compare': ('baseline', 'speculative')}[mode]
+  if on_bad_logits not in ON_BAD_LOGITS:
+    raise JobError(f'run_job.on_bad_logits must be one of {ON_BAD_LOGITS}, got'
+                   f' {on_bad_logits!r}.')
+  if on_too_long not in inputs_lib.ON_TOO_LONG:
+    raise JobError(f'run_job.on_too_long must be one of {inputs_lib.ON_TOO_LONG}, got'
+                   f' {on_too_long!r}.')
+  methods = METHODS[mode]
   if mode != 'baseline' and draft is None:
     raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
                    " @draft/random_llama), or use mode 'baseline'.")
@@ -566,14 +684,26 @@ def run_job(*,
   process_index, process_count = jax.process_index(), jax.process_count()
   job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
                                                                 _process_dir(process_index))
+  settings = {'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+              'temperature': sampling.temperature, 'top_k': sampling.top_k,
+              'top_p': sampling.top_p, 'max_new_tokens': max_new_tokens, 'seed': seed,
+              'batch_size': batch_size, 'max_input_length': max_input_length,
+              'length_buckets': list(buckets), 'on_too_long': on_too_long,
+              'add_eos_to_inputs': add_eos_to_inputs, 'max_examples': max_examples}
 
-  # 1. Everything cheap first: output directory, vocabulary, dataset.
+  # 1. The output directory: locked, then checked against what the job is about to do. Nothing
+  #    in it is written until the job has accepted it (step 3).
   try:
     out = outputs_lib.OutputDir(job_dir)
   except outputs_lib.OutputError as e:
     raise JobError(str(e)) from None
+  recorded_this_run = 0
   try:
-    outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
+    if overwrite:
+      deleted = out.discard()
+      if deleted:
+        warn(f'run_job.overwrite: discarded {", ".join(deleted)} in {job_dir}.')
+    _check_model_paths()  # a missing checkpoint is reported before the vocabulary loads
     vocabulary = as_vocabulary(_provide(vocabulary, 'Loading the vocabulary'))
     examples = list(_provide(dataset, 'Reading the dataset'))
     if max_examples is not None:
@@ -584,14 +714,11 @@ def run_job(*,
       raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
                      ' format and filters (file_dataset.path, seqio_dataset.split,'
                      ' run_job.max_examples).')
-    job_info = {'mode': mode, 'dataset': inputs_lib.fingerprint(examples),
-                'num_examples': len(examples)}
+    fingerprint = fingerprint_lib.job_fingerprint(settings, inputs_lib.fingerprint(examples),
+                                                  len(examples))
     try:
-      done = out.resume(job_info)
-      encoded = inputs_lib.encode_examples(
-          examples, vocabulary, max_input_length=max_input_length, on_too_long=on_too_long,
-          add_eos=add_eos_to_inputs)
-    except (outputs_lib.OutputError, inputs_lib.DataError) as e:
+      out.check(fingerprint, partial=True)  # before the (slow) model loading
+    except outputs_lib.OutputError as e:
       raise JobError(str(e)) from None
 
     # 2. Models (placed in their shards when a partitioner is set).
@@ -618,8 +745,26 @@ def run_job(*,
       raise JobError(f'The draft and target vocabularies differ ({draft_model.vocab_size} vs'
                      f' {target_model.vocab_size} tokens); speculative decoding needs one'
                      ' shared vocabulary.')
+    input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
+    try:
+      encoded = inputs_lib.encode_examples(
+          examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
+          add_eos=add_eos_to_inputs)
+    except inputs_lib.DataError as e:
+      raise JobError(str(e)) from None
 
-    # 3. Examples skipped by the length rule are recorded once, like decoded ones.
+    # 3. The directory is accepted: the full fingerprint (models included) is recorded or
+    #    matched, and only now does anything in it change.
+    fingerprint.update(fingerprint_lib.model_entries({'target': target_model,
+                                                      'draft': draft_model}))
+    try:
+      done = out.resume(fingerprint)
+    except outputs_lib.OutputError as e:
+      raise JobError(str(e)) from None
+    outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
+    _report_truncation(encoded, done, input_limit, max_input_length, progress_stream)
+
+    # 4. Examples skipped by the length rule are recorded once, like decoded ones.
     skipped = [e for e in encoded if e.skipped and e.example.index not in done]
     if skipped:
       out.append([_base_record(e) for e in skipped])
@@ -635,18 +780,26 @@ def run_job(*,
                                 label='compare' if mode == 'compare' else methods[0])
     warmed: set[tuple[str, tuple[int, ...]]] = set()
     compile_s = 0.0
-    for batch in batches:
-      records, batch_compile_s = _decode_batch(
-          batch, methods, target_model, draft_model, vocabulary, warmed,
-          exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
-          max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
-          partitioner=partitioner)
-      compile_s += batch_compile_s
-      out.append(records)
-      bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
+    try:
+      for batch in batches:
+        records, batch_compile_s = _decode_batch(
+            batch, methods, target_model, draft_model, vocabulary, warmed,
+            exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
+            max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
+            partitioner=partitioner)
+        compile_s += batch_compile_s
+        out.append(records)
+        recorded_this_run += len(records)
+        bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
+    except KeyboardInterrupt:
+      bar.close()
+      raise Interrupted(
+          f'interrupted after {recorded_this_run} examples ({num_done + recorded_this_run} of'
+          f' {len(examples)} recorded in {job_dir}); rerun the same command to resume.'
+      ) from None
     bar.close()
 
-    # 4. The report covers every recorded example, this run's and earlier runs'.
+    # 5. The report covers every recorded example, this run's and earlier runs'.
     all_records = outputs_lib.read_predictions(out.predictions_path)
     cost = None
     if measure_cost and draft_model is not None:
@@ -657,6 +810,7 @@ def run_job(*,
     metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
                       'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
                       'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
+                      'input_limit': input_limit,
                       'decoded_this_run': len(pending), 'resumed_from': len(done),
                       'output_dir': job_dir, 'process_index': process_index,
                       'process_count': process_count}
@@ -664,6 +818,9 @@ def run_job(*,
       metrics['job']['mesh'] = partitioner.mesh_shape
     outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
     outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
+  except KeyboardInterrupt:
+    raise Interrupted(f'interrupted after {recorded_this_run} examples; rerun the same command'
+                      ' to resume.') from None
   finally:
     out.close()
   if process_count > 1:
@@ -671,7 +828,73 @@ def run_job(*,
                                gamma=gamma, sampling=sampling,
                                reference_metrics=reference_metrics)
   print(summary(metrics))
+  if metrics.get('num_bad_logits'):
+    message = (f"{metrics['num_bad_logits']} of {metrics['num_decoded']} examples stopped on"
+               ' non-finite (NaN/inf) logits (stop reason BAD_LOGITS; their outputs end before'
+               f' it). Check the checkpoints for NaN/Inf; outputs are in {output_dir}.')
+    if on_bad_logits == 'fail':
+      raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
+    warn(message)
   return metrics
+
+
+def _input_limit(max_input_length: int, max_new_tokens: int, *models) -> int:
+  """Input tokens allowed: `max_input_length`, and the shortest model context less the new
+  tokens (models with no known context length do not limit it)."""
+  contexts = [c for m in models if m is not None
+              for c in [getattr(m.definition, 'max_context_length', None)] if c]
+  if not contexts:
+    return max_input_length
+  room = min(contexts) - max_new_tokens
+  if room < 1:
+    raise JobError(f'run_job.max_new_tokens={max_new_tokens} leaves no room for an input in'
+                   f' the model context of {min(contexts)} tokens; lower MAX_NEW_TOKENS.')
+  return min(max_input_length, room)
+
+
+def _report_truncation(encoded, done, input_limit, max_input_length, stream) -> None:
+  truncated = sum(1 for e in encoded if e.truncated and e.example.index not in done)
+  if truncated:
+    why = ('max_input_length' if input_limit == max_input_length else
+           'the model context less max_new_tokens')
+    print(f'{truncated} input(s) truncated to {input_limit} tokens ({why}).',
+          file=stream or sys.stderr)
+
+
+# Model-provider parameters that name a checkpoint path, checked before anything loads.
+_PATH_PARAMS = ('checkpoint_path', 'path')
+
+
+def _binding(scopes: Sequence[str], selector: str, param: str) -> Any:
+  """The value gin binds to `param` of `selector` under `scopes` (innermost first), with
+  macros resolved; None when unbound."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  for depth in range(len(scopes), -1, -1):
+    scope = '/'.join(scopes[:depth])
+    params = config.get((scope, selector), {})
+    if param in params:
+      return fingerprint_lib.resolve_macros(params[param])
+  return None
+
+
+def _check_model_paths() -> None:
+  """The checkpoint paths of the job's target and draft providers exist (local paths only).
+
+  Providers check their own paths too; this runs first so that a missing checkpoint is the
+  first thing reported, before the vocabulary or dataset load.
+  """
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  job = next((params for (scope, selector), params in config.items()
+              if not scope and selector.rsplit('.', 1)[-1] == 'run_job'), {})
+  for role in ('target', 'draft'):
+    provider = fingerprint_lib.resolve_macros(job.get(role))
+    if not isinstance(provider, gin.config.ConfigurableReference):
+      continue
+    scopes, selector = provider._scopes, provider._configurable.selector  # pylint: disable=protected-access
+    for param in _PATH_PARAMS:
+      path = _binding(scopes, selector, param)
+      if isinstance(path, str) and path:
+        _check_path(path, f'{role} checkpoint ({selector.rsplit(".", 1)[-1]}.{param})')
 
 
 def _process_dir(process_index: int) -> str:
@@ -691,14 +914,28 @@ def _ensure_sharded(partitioner, model: protocol.Model, role: str) -> protocol.M
 
 def _merge_processes(output_dir: str, process_index: int, process_count: int,
                      metrics: dict[str, Any], **report_kwargs) -> dict[str, Any]:
-  """Barrier, then process 0 merges every process's predictions and writes the report."""
+  """Process 0 gathers every process's predictions and writes the merged report.
+
+  The records travel over JAX's own collectives (`process_allgather`), not a shared file
+  system: on a TPU slice each host writes its part to its own disk (`process_<p>/`), and only
+  process 0's `output_dir` gets the merged predictions.jsonl and metrics.json.
+  """
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  multihost_utils.sync_global_devices('speclm.run: every process has written its part')
+  own = os.path.join(output_dir, _process_dir(process_index), outputs_lib.PREDICTIONS)
+  with open(own, 'rb') as f:
+    data = np.frombuffer(f.read(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  padded = np.zeros((int(sizes.max()),), np.uint8)
+  padded[:data.size] = data
+  parts = np.asarray(multihost_utils.process_allgather(padded))  # [processes, bytes]
   if process_index == 0:
     records, seen = [], set()
     for p in range(process_count):
-      path = os.path.join(output_dir, _process_dir(p), outputs_lib.PREDICTIONS)
-      for record in outputs_lib.read_predictions(path):
+      text = parts[p, :int(sizes.reshape(-1)[p])].tobytes()
+      for line in text.splitlines():
+        if not line.strip():
+          continue
+        record = json.loads(line)
         if record['index'] in seen:
           raise JobError(f'Example {record["index"]} was decoded by two processes; the'
                          f' process directories under {output_dir} belong to different jobs.')
@@ -821,8 +1058,7 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
                     sampling: sampling_lib.SamplingConfig, cost: dict[str, Any] | None = None,
                     reference_metrics: Sequence[str] = ('bleu', 'rouge')) -> dict[str, Any]:
   """The metrics.json report from prediction records (all of the job's examples)."""
-  methods = {'speculative': ('speculative',), 'baseline': ('baseline',),
-             'compare': ('baseline', 'speculative')}[mode]
+  methods = METHODS[mode]
   decoded = [r for r in records if 'skipped' not in r]
   notes: list[str] = []
   metrics: dict[str, Any] = {
@@ -832,6 +1068,9 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
       'num_examples': len(records), 'num_decoded': len(decoded),
       'num_skipped': len(records) - len(decoded),
       'num_truncated': sum(1 for r in records if r.get('truncated')),
+      # Rows cut short by non-finite logits: their numbers must not pass unnoticed.
+      'num_bad_logits': sum(1 for r in decoded
+                            if any(r[m]['stop_reason'] == 'BAD_LOGITS' for m in methods)),
   }
   with_refs = [r for r in decoded if r.get('reference') is not None]
   for method in methods:
@@ -938,6 +1177,9 @@ def summary(metrics: dict[str, Any]) -> str:
   if 'speedup' in metrics:
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
              ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]
+  if metrics.get('num_bad_logits'):
+    rows.append(('WARNING', f"{metrics['num_bad_logits']} example(s) stopped on NaN/inf logits"
+                            ' (BAD_LOGITS); the figures above include them'))
   if 'job' in metrics:
     rows.append(('output dir', metrics['job']['output_dir']))
   return progress_lib.table(rows, title='speclm run summary')
@@ -1009,12 +1251,16 @@ def run_sweep(temperatures: Sequence[float] = gin.REQUIRED, output_dir: str = gi
   """
   if not temperatures:
     raise JobError('run_sweep.temperatures is empty; give at least one, e.g. [0.0, 1.0].')
-  results = {}
+  results, bad = {}, []
   for temperature in temperatures:
     sub_dir = os.path.join(output_dir, f'temperature_{temperature:g}')
     print(f'\n=== temperature {temperature:g} -> {sub_dir}', file=progress_stream or sys.stdout)
-    metrics = run_job(sampling=sampling_lib.SamplingConfig(  # pylint: disable=missing-kwoa
-        temperature=float(temperature)), output_dir=sub_dir, progress_stream=progress_stream)
+    try:
+      metrics = run_job(sampling=sampling_lib.SamplingConfig(  # pylint: disable=missing-kwoa
+          temperature=float(temperature)), output_dir=sub_dir, progress_stream=progress_stream)
+    except BadLogitsError as e:  # the other temperatures still run; the sweep fails at the end
+      bad.append(f'temperature {temperature:g}: {e.message}')
+      continue
     if show_outputs:
       method = 'speculative' if metrics['mode'] != 'baseline' else 'baseline'
       records = sorted(outputs_lib.read_predictions(os.path.join(sub_dir,
@@ -1025,6 +1271,8 @@ def run_sweep(temperatures: Sequence[float] = gin.REQUIRED, output_dir: str = gi
           print(f"\n> {record['input']}\n{record[method]['output'].strip()}",
                 file=progress_stream or sys.stdout)
     results[float(temperature)] = metrics
+  if bad:
+    raise BadLogitsError(' '.join(bad))
   return results
 
 
@@ -1059,11 +1307,21 @@ def main(argv: Sequence[str]) -> None:
       raise JobError('No gin file given. Run e.g. python -m speclm.run'
                      ' --gin_file=test_tiny.gin --gin.OUTPUT_DIR="\'/tmp/out\'".')
     parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
+    # Before gin builds any argument of run_job (a vocabulary written `@Vocabulary()` is built
+    # when run_job is called): a missing checkpoint is the first thing reported.
+    _check_model_paths()
     partitioning.initialize_distributed()  # only when gin enables it; before any JAX work
     if _sweep_requested():
       run_sweep()  # pylint: disable=no-value-for-parameter
     else:
       run_job()  # pylint: disable=missing-kwoa
+  except Interrupted as e:
+    _fail(e.message, status=130, prefix='')
+  except KeyboardInterrupt:
+    _fail('interrupted before decoding began; rerun the same command to start again.',
+          status=130, prefix='')
+  except BadLogitsError as e:
+    _fail(e.message, status=1)
   except JobError as e:
     _fail(e.message)
   except RuntimeError as e:
@@ -1073,9 +1331,9 @@ def main(argv: Sequence[str]) -> None:
     _fail(message)
 
 
-def _fail(message: str) -> None:
-  print(f'speclm.run: error: {message}', file=sys.stderr)
-  sys.exit(2)
+def _fail(message: str, status: int = 2, prefix: str = 'error: ') -> None:
+  print(f'speclm.run: {prefix}{message}', file=sys.stderr)
+  sys.exit(status)
 
 
 def _parse_flags(argv: list[str]):

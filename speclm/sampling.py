@@ -11,9 +11,19 @@ Shape letters: B batch, V vocabulary; `...` is any leading batch shape.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def _real(value) -> float | None:
+  """`value` as a Python float if it is a real number (NumPy scalars included, booleans not)."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    return None
+  return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,18 +47,26 @@ class SamplingConfig:
 
   def __post_init__(self):
     # Validate eagerly: a bad setting must fail here, in Python, not inside a traced loop.
-    if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+    # NumPy scalars are accepted and stored as Python numbers, so equal settings hash equally
+    # (the config is a static argument of jax.jit).
+    temperature = _real(self.temperature)
+    if temperature is None or not math.isfinite(temperature) or temperature < 0:
       raise ValueError(
-          f'SamplingConfig.temperature must be a number >= 0 (0 means greedy), got'
+          f'SamplingConfig.temperature must be a finite number >= 0 (0 means greedy), got'
           f' {self.temperature!r}.')
-    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+    if (isinstance(self.top_k, (bool, np.bool_)) or
+        not isinstance(self.top_k, numbers.Integral) or self.top_k < 0):
       raise ValueError(
           f'SamplingConfig.top_k must be an integer >= 0 (0 disables top-k), got'
           f' {self.top_k!r}.')
-    if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+    top_p = _real(self.top_p)
+    if top_p is None or not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
       raise ValueError(
-          f'SamplingConfig.top_p must be in (0, 1] (1 disables nucleus sampling), got'
-          f' {self.top_p!r}.')
+          f'SamplingConfig.top_p must be a finite number in (0, 1] (1 disables nucleus'
+          f' sampling), got {self.top_p!r}.')
+    object.__setattr__(self, 'temperature', temperature)
+    object.__setattr__(self, 'top_k', int(self.top_k))
+    object.__setattr__(self, 'top_p', top_p)
 
   @property
   def is_greedy(self) -> bool:

@@ -1,6 +1,15 @@
 """speclm.kernels.cpu_matmul, llama.pack_for_cpu and t5.pack_for_cpu: accurate,
 row-independent, used."""
 
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +19,7 @@ from speclm.kernels import cpu_matmul
 from speclm.models import llama
 from speclm.models import t5
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(),
                                 reason='the CPU kernel could not be built here')
 
@@ -181,3 +191,213 @@ def test_packed_t5_uses_the_kernel_with_the_same_logits_and_exact_speculative_de
 def test_t5_pack_for_cpu_leaves_other_dtypes_alone():
   model = t5.random_model(vocab_size=64, emb_dim=16, dtype='bfloat16')
   assert t5.pack_for_cpu(model) is model
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel cache: nothing is loaded from it unchecked, and no failure is fatal. Each case runs
+# `available()` in a fresh process (a truncated library would kill this one with SIGBUS) with
+# SPECLM_KERNEL_CACHE in a temporary directory. CXX is a stand-in compiler that logs its call
+# and copies the kernel this process already built, so a rebuild costs no compile.
+
+_PROBE = textwrap.dedent("""
+    import json, logging
+    import numpy as np
+    warnings = []
+    class Collect(logging.Handler):
+      def emit(self, record):
+        if record.levelno >= logging.WARNING:
+          warnings.append(record.getMessage())
+    logging.getLogger('absl').addHandler(Collect())
+    from speclm.kernels import cpu_matmul
+    ok = cpu_matmul.available()
+    correct = None
+    if ok:
+      x = np.arange(6, dtype=np.float32).reshape(2, 3)
+      w = np.arange(15, dtype=np.float32).reshape(3, 5)
+      correct = bool(np.allclose(np.asarray(cpu_matmul.matmul(x, cpu_matmul.pack(w), 5)), x @ w))
+    print(json.dumps({'available': ok, 'correct': correct, 'warnings': warnings}))
+""")
+
+
+@pytest.fixture(scope='module')
+def good_kernel():
+  """The kernel this process built (path, SHA-256)."""
+  path = cpu_matmul.build()
+  with open(path + '.sha256', encoding='ascii') as f:
+    recorded = f.read().split()[0]
+  return path, recorded
+
+
+def _sha256(path):
+  with open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+class Cache:
+  """A kernel cache directory in `tmp_path`, seeded with a copy of the good build."""
+
+  def __init__(self, tmp_path, good_kernel, seed=True):
+    self.tmp = tmp_path
+    self.dir = tmp_path / 'kernels'
+    self.dir.mkdir(mode=0o700)
+    good, self.good_hash = good_kernel
+    self.so = self.dir / os.path.basename(good)
+    self.sha = self.dir / (self.so.name + '.sha256')
+    if seed:
+      shutil.copy(good, self.so)
+      shutil.copy(good + '.sha256', self.sha)
+    self.compile_log = tmp_path / 'compiles.log'
+    self.cxx = tmp_path / 'fake_cxx.sh'
+    self.cxx.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        out=
+        while [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done
+        echo compiled >> '{self.compile_log}'
+        cp '{good}' "$out"
+        """))
+    self.cxx.chmod(0o755)
+
+  def run(self, **env):
+    environ = dict(os.environ, SPECLM_KERNEL_CACHE=str(self.dir), CXX=str(self.cxx),
+                   JAX_PLATFORMS='cpu', PYTHONPATH=REPO + os.pathsep + os.environ.get(
+                       'PYTHONPATH', ''))
+    environ.update(env)
+    proc = subprocess.run([sys.executable, '-c', _PROBE], env=environ, cwd=self.tmp,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+  @property
+  def compiles(self):
+    return len(self.compile_log.read_text().splitlines()) if self.compile_log.exists() else 0
+
+  def assert_valid_build(self):
+    """The cache holds the good kernel, recorded, ours and writable by us alone."""
+    assert _sha256(self.so) == self.good_hash
+    assert self.sha.read_text().split()[0] == self.good_hash
+    for path in (self.so, self.sha):
+      st = os.lstat(path)
+      assert stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _compile_c(tmp_path, source, name):
+  cc = shutil.which('cc') or shutil.which('gcc')
+  if cc is None:
+    pytest.skip('no C compiler for the foreign library')
+  c_file = tmp_path / f'{name}.c'
+  c_file.write_text(source)
+  out = tmp_path / f'{name}.so'
+  subprocess.run([cc, '-shared', '-fPIC', str(c_file), '-o', str(out)], check=True)
+  return out
+
+
+def test_a_valid_cached_kernel_is_loaded_without_rebuilding(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel)
+  result = cache.run()
+  assert result == {'available': True, 'correct': True, 'warnings': []}
+  assert cache.compiles == 0
+  cache.assert_valid_build()
+
+
+def test_a_truncated_cached_kernel_is_rebuilt_not_loaded(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel)
+  data = cache.so.read_bytes()
+  cache.so.write_bytes(data[:len(data) // 2])  # the old code died of SIGBUS (exit 135) here
+  result = cache.run()
+  assert result['available'] and result['correct']
+  assert cache.compiles == 1
+  assert len(result['warnings']) == 1 and 'differs from the recorded one' in result['warnings'][0]
+  cache.assert_valid_build()
+  assert cache.run() == {'available': True, 'correct': True, 'warnings': []}  # and it stays
+  assert cache.compiles == 1
+
+
+def test_a_foreign_library_at_the_cache_path_is_never_loaded(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel)
+  marker = tmp_path / 'constructor_ran'
+  foreign = _compile_c(tmp_path, textwrap.dedent(f"""\
+      #include <stdio.h>
+      __attribute__((constructor)) static void run_on_load(void) {{
+        FILE *f = fopen("{marker}", "w");
+        if (f) fclose(f);
+      }}
+      """), 'foreign')
+  shutil.copy(foreign, cache.so)  # the recorded hash is the real kernel's
+  result = cache.run()
+  assert not marker.exists()
+  assert result['available'] and result['correct'] and cache.compiles == 1
+  cache.assert_valid_build()
+
+
+@pytest.mark.parametrize('tamper', ['library 0o666', 'hash file 0o666', 'library of uid 65534',
+                                    'library a symlink', 'hash file missing'])
+def test_a_library_that_others_could_have_written_is_rebuilt(tmp_path, good_kernel, tamper):
+  cache = Cache(tmp_path, good_kernel)
+  if tamper == 'library 0o666':
+    cache.so.chmod(0o666)
+  elif tamper == 'hash file 0o666':
+    cache.sha.chmod(0o666)
+  elif tamper == 'library of uid 65534':
+    if os.getuid() != 0:
+      pytest.skip('changing a file owner needs root')
+    os.chown(cache.so, 65534, 65534)
+  elif tamper == 'library a symlink':
+    target = tmp_path / 'elsewhere.so'
+    cache.so.rename(target)
+    cache.so.symlink_to(target)
+  else:
+    cache.sha.unlink()
+  result = cache.run()
+  assert result['available'] and result['correct'] and cache.compiles == 1
+  cache.assert_valid_build()
+
+
+def test_a_cache_directory_writable_by_others_is_made_private_and_rebuilt(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel)
+  cache.dir.chmod(0o777)
+  result = cache.run()
+  assert stat.S_IMODE(os.stat(cache.dir).st_mode) == 0o700
+  assert result['available'] and result['correct'] and cache.compiles == 1
+  assert len(result['warnings']) == 1 and 'made it 0700' in result['warnings'][0]
+  cache.assert_valid_build()
+
+
+def test_a_cache_directory_of_another_user_is_not_used(tmp_path, good_kernel):
+  if os.getuid() != 0:
+    pytest.skip('changing a directory owner needs root')
+  cache = Cache(tmp_path, good_kernel)
+  os.chown(cache.dir, 65534, 65534)
+  before = sorted(os.listdir(cache.dir))
+  result = cache.run()
+  assert result['available'] and result['correct'] and cache.compiles == 1  # built elsewhere
+  assert len(result['warnings']) == 1 and 'not a private directory' in result['warnings'][0]
+  assert sorted(os.listdir(cache.dir)) == before
+
+
+def test_a_fresh_cache_directory_is_private(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel, seed=False)
+  cache.dir.rmdir()
+  result = cache.run()
+  assert result['available'] and cache.compiles == 1
+  assert stat.S_IMODE(os.stat(cache.dir).st_mode) & 0o077 == 0
+  cache.assert_valid_build()
+
+
+def test_no_compiler_falls_back_to_xla_with_one_warning_line(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel, seed=False)
+  result = cache.run(CXX='/bin/false')
+  assert result['available'] is False
+  assert len(result['warnings']) == 1
+  (warning,) = result['warnings']
+  assert 'using XLA products' in warning and '/bin/false' in warning and '\n' not in warning
+  assert not cache.so.exists()
+
+
+def test_a_build_without_the_kernels_symbols_falls_back_and_is_not_kept(tmp_path, good_kernel):
+  cache = Cache(tmp_path, good_kernel, seed=False)
+  empty = _compile_c(tmp_path, 'int speclm_unrelated(void) { return 0; }\n', 'empty')
+  cache.cxx.write_text(cache.cxx.read_text().replace(good_kernel[0], str(empty)))
+  result = cache.run()  # the old code raised AttributeError here
+  assert result['available'] is False
+  assert len(result['warnings']) == 1 and 'AttributeError' in result['warnings'][0]
+  assert not cache.so.exists() and not cache.sha.exists()  # the next run compiles again

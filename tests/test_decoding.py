@@ -1,11 +1,15 @@
 """The compiled decode loops: greedy exactness, stop reasons, statistics, errors, recompiles."""
 
+import dataclasses
+import re
+
 import jax
 import numpy as np
 import pytest
 
 import speclm
 from speclm import decoding
+from speclm import protocol
 from speclm.models import llama
 
 VOCAB = 48
@@ -128,13 +132,79 @@ def test_cache_full_stops_rows(target, drafts, prompts):
                                     np.asarray(reference.tokens)[b, :n])
 
 
-def test_bad_logits_are_reported(target, prompts):
+def test_bad_logits_are_reported(target, prompts, baseline):
   broken = speclm.Model(target.definition, jax.tree_util.tree_map(
       lambda x: x * np.nan, target.params))
   result = speclm.autoregressive_decode(broken, *prompts, max_new_tokens=4)
   np.testing.assert_array_equal(result.stop_reasons, [speclm.StopReason.BAD_LOGITS] * 4)
+  np.testing.assert_array_equal(result.lengths, [0] * 4)  # the prefill's logits were bad
   spec = speclm.speculative_decode(target, broken, *prompts, gamma=2, max_new_tokens=4)
   np.testing.assert_array_equal(spec.stop_reasons, [speclm.StopReason.BAD_LOGITS] * 4)
+  # The target's first token stands; the first round's drafts were bad, so nothing after it.
+  np.testing.assert_array_equal(spec.lengths, [1] * 4)
+  np.testing.assert_array_equal(np.asarray(spec.tokens)[:, 0], np.asarray(baseline.tokens)[:, 0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithContext(protocol.WrappedLanguageModel):
+  """`inner` declaring a context length, as checkpoint-loaded models do."""
+
+  inner: protocol.LanguageModel
+  max_context_length: int | None = None
+
+  @property
+  def vocab_size(self) -> int:  # type: ignore[override]
+    return self.inner.vocab_size
+
+  def init_cache(self, batch_size, max_length):
+    return self.inner.init_cache(batch_size, max_length)
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    return self.inner.prefill(params, inputs, input_lengths, cache)
+
+  def extend(self, params, tokens, cache):
+    return self.inner.extend(params, tokens, cache)
+
+  def last_prefix_token(self, inputs, input_lengths):
+    return self.inner.last_prefix_token(inputs, input_lengths)
+
+
+def _with_context(model, context):
+  return speclm.Model(_WithContext(model.definition, context), model.params)
+
+
+def test_prompt_and_new_tokens_beyond_the_context_are_refused(target, drafts, prompts):
+  tokens, lengths = prompts  # the longest prompt has 9 tokens
+  short = _with_context(target, 9 + 6)
+  message = ('prompt of 9 tokens + max_new_tokens 7 exceeds the model\'s context of 15'
+             ' tokens; shorten the prompt or lower max_new_tokens')
+  with pytest.raises(ValueError, match=re.escape(message)):
+    speclm.autoregressive_decode(short, tokens, lengths, max_new_tokens=7)
+  with pytest.raises(ValueError, match=re.escape(message.replace('model', 'target'))):
+    speclm.speculative_decode(short, drafts['related'], tokens, jax.numpy.asarray(lengths),
+                              gamma=2, max_new_tokens=7)
+  with pytest.raises(ValueError, match="the draft's context of 15 tokens"):
+    speclm.speculative_decode(target, _with_context(drafts['related'], 15), tokens, lengths,
+                              gamma=2, max_new_tokens=7)
+  # Per-row limits: the row that overflows is named.
+  with pytest.raises(ValueError, match='prompt of 2 tokens \\+ max_new_tokens 20 exceeds'):
+    speclm.autoregressive_decode(short, tokens, lengths, max_new_tokens=[1, 20, 1, 1])
+  # Exactly the context fits.
+  fits = speclm.speculative_decode(short, _with_context(drafts['related'], 15), tokens, lengths,
+                                   gamma=2, max_new_tokens=6)
+  np.testing.assert_array_equal(fits.tokens, np.asarray(
+      speclm.speculative_decode(target, drafts['related'], tokens, lengths, gamma=2,
+                                max_new_tokens=6).tokens))
+  # No declared context (None, or no attribute at all): no limit.
+  speclm.autoregressive_decode(_with_context(target, None), tokens, lengths, max_new_tokens=7)
+
+
+def test_llama_context_length_from_its_config(target, prompts):
+  config = dataclasses.replace(target.definition.config, max_position_embeddings=12)
+  model = speclm.Model(llama.Llama(config), target.params)
+  assert model.definition.max_context_length == 12
+  with pytest.raises(ValueError, match="exceeds the model's context of 12 tokens"):
+    speclm.autoregressive_decode(model, *prompts, max_new_tokens=4)
 
 
 def test_no_recompile_for_new_prompts_and_seeds(target, drafts):

@@ -6,6 +6,7 @@ the `gguf` package the reader itself uses.
 """
 
 import dataclasses
+import re
 import struct
 
 import jax
@@ -171,10 +172,10 @@ def test_unpermute_restores_rotate_half_layout():
 # Whole models
 
 
-def _metadata(config: llama.LlamaConfig):
-  return {
+def _metadata(config: llama.LlamaConfig, context_length=128):
+  out = {
       'llama.block_count': config.num_layers,
-      'llama.context_length': 128,
+      'llama.context_length': context_length,
       'llama.embedding_length': config.embed_dim,
       'llama.feed_forward_length': config.mlp_dim,
       'llama.attention.head_count': config.num_heads,
@@ -183,6 +184,7 @@ def _metadata(config: llama.LlamaConfig):
       'llama.attention.layer_norm_rms_epsilon': float(config.norm_eps),
       'llama.vocab_size': config.vocab_size,
   }
+  return {k: v for k, v in out.items() if v is not None}
 
 
 def _export(model, path, quant=None):
@@ -211,19 +213,22 @@ def _export(model, path, quant=None):
                                            if quant else w)
     tensors[f'blk.{i}.attn_norm.weight'] = np.asarray(layer['pre_attention_norm']['scale'])
     tensors[f'blk.{i}.ffn_norm.weight'] = np.asarray(layer['pre_mlp_norm']['scale'])
-  _write(path, tensors, metadata=_metadata(c))
+  _write(path, tensors, metadata=_metadata(c, c.max_position_embeddings))
 
 
 @pytest.mark.parametrize('tied', [True, False])
 def test_llama_round_trip_is_exact(tmp_path, tied):
   model = llama.random_model(vocab_size=50, embed_dim=64, num_layers=2, num_heads=4,
                              num_kv_heads=2, mlp_dim=96, tie_embeddings=tied, seed=4)
-  _export(model, tmp_path / 'm.gguf')
+  model = dataclasses.replace(model, definition=llama.Llama(dataclasses.replace(
+      model.definition.config, max_position_embeddings=96)))
+  _export(model, tmp_path / 'm.gguf')  # llama.context_length = 96
   loaded = gguf_reader.load_model(tmp_path / 'm.gguf')
   config, want_config = loaded.definition.config, model.definition.config
   np.testing.assert_allclose(config.norm_eps, want_config.norm_eps, rtol=1e-6)  # stored as f32
   assert dataclasses.replace(config, norm_eps=want_config.norm_eps) == want_config
   assert config.tie_embeddings == tied
+  assert config.max_position_embeddings == 96 and loaded.definition.max_context_length == 96
   flat = lambda tree: {k: np.asarray(v) for k, v in _flatten(tree)}
   want, got = flat(model.params), flat(loaded.params)
   assert want.keys() == got.keys()
@@ -251,8 +256,28 @@ def _flatten(tree, prefix=''):
       yield f'{prefix}{key}', value
 
 
+def test_context_length_absent_is_none(tmp_path):
+  model = llama.random_model(vocab_size=50, embed_dim=32, num_layers=1, seed=1)
+  assert model.definition.max_context_length is None
+  _export(model, tmp_path / 'm.gguf')  # max_position_embeddings None: no context_length key
+  assert 'llama.context_length' not in gguf_reader.open_gguf(tmp_path / 'm.gguf').metadata
+  assert gguf_reader.read_config(tmp_path / 'm.gguf').max_position_embeddings is None
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors
+
+
+def test_nan_or_inf_weights_are_refused(tmp_path):
+  model = llama.random_model(vocab_size=50, embed_dim=32, num_layers=2, seed=2)
+  params = jax.tree_util.tree_map(np.array, model.params)
+  params['layers_1']['mlp']['up']['kernel'][[0, 5, 9], 3] = [np.nan, np.inf, -np.inf]
+  _export(dataclasses.replace(model, params=params), tmp_path / 'm.gguf')
+  path = str(tmp_path / 'm.gguf')
+  with pytest.raises(ValueError, match=re.escape(
+      f"Parameter 'layers_1/mlp/up/kernel' in {path} has 3 NaN/Inf values (of 2048); the"
+      ' checkpoint is corrupt.')):
+    gguf_reader.load_model(path)
 
 
 def test_unsupported_architecture(tmp_path):

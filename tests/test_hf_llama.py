@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,7 @@ def test_logits_match_hugging_face(tmp_path, case):
   hf_model = _save_random_hf_llama(tmp_path, **CASES[case])
   model = hf_llama.load_model(tmp_path)
   assert model.definition.config.tie_embeddings == (case == 'tied')
+  assert model.definition.max_context_length == 256  # config.json's max_position_embeddings
   tokens = np.random.default_rng(1).integers(0, 97, size=(3, 40))
   ours = np.asarray(model.definition.forward(model.params, jnp.asarray(tokens, jnp.int32)))
   theirs = _hf_logits(hf_model, tokens)
@@ -97,6 +99,8 @@ def test_config_from_transformers4_keys():
   assert config.rope_theta == 1234.0
   assert config.rope_scaling == llama.RopeScaling(kind='linear', factor=2.0)
   assert config.num_kv_heads == 2 and config.head_dim == 4 and config.tie_embeddings
+  assert config.max_position_embeddings is None  # not in this config.json: unknown
+  assert 'max_position_embeddings' not in hf_llama.config_to_hf(config)
 
 
 def test_errors(tmp_path):
@@ -119,6 +123,23 @@ def test_errors(tmp_path):
                              'num_hidden_layers': 1, 'num_attention_heads': 2,
                              'rope_scaling': {'rope_type': 'yarn', 'factor': 2.0}})
   assert os.path.exists(tmp_path / 'pytorch_model.bin')
+
+
+def test_nan_or_inf_weights_are_refused(tmp_path):
+  from speclm import partitioning  # pylint: disable=import-outside-toplevel
+  from speclm.checkpoints import safetensors_io  # pylint: disable=import-outside-toplevel
+  from speclm.checkpoints import sharded  # pylint: disable=import-outside-toplevel
+  _save_random_hf_llama(tmp_path)
+  path = tmp_path / 'model.safetensors'
+  weights = {k: np.array(v) for k, v in hf_llama.read_safetensors(path).items()}
+  weights['model.layers.1.mlp.down_proj.weight'][7, [2, 40]] = [np.nan, np.inf]
+  safetensors_io.save_file(weights, path)
+  message = ("arameter 'layers_1/mlp/down/kernel' in {} has 2 NaN/Inf values (of 3840); the"
+             ' checkpoint is corrupt.').format(tmp_path)
+  with pytest.raises(ValueError, match='^' + re.escape('P' + message)):
+    hf_llama.load_model(tmp_path)
+  with pytest.raises(ValueError, match='^' + re.escape('target p' + message)):
+    sharded.load_hf_llama_sharded(tmp_path, partitioning.Partitioner(num_partitions=1))
 
 
 def _save_tiny_tokenizer(directory):
@@ -165,6 +186,8 @@ def test_export_to_transformers_round_trips(tmp_path, case):
   ours = hf_llama.load_model(tmp_path)
   exported = hf_llama.to_transformers(ours)
   assert exported.config.tie_word_embeddings == original.config.tie_word_embeddings
+  assert hf_llama.config_to_hf(ours.definition.config)['max_position_embeddings'] == 256
+  assert exported.config.max_position_embeddings == original.config.max_position_embeddings
   state = exported.state_dict()
   for name, value in original.state_dict().items():
     if name.endswith('rotary_emb.inv_freq'):

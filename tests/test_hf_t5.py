@@ -1,6 +1,7 @@
 """Hugging Face T5 directories: logits parity with transformers, conversion to T5X, errors."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,22 @@ def test_truncated_and_corrupt_safetensors(hf_model, tmp_path):
   target.write_bytes(b'\xff' * 64)
   with pytest.raises(checkpoints.CheckpointError, match=str(target)):
     hf_t5.load_hf_t5(tmp_path)
+
+
+def test_nan_or_inf_weights_are_refused(hf_model, tmp_path):
+  version, directory, _ = hf_model
+  (tmp_path / 'config.json').write_bytes((directory / 'config.json').read_bytes())
+  source = safetensors_io.SafetensorsFile(directory / 'model.safetensors')
+  weights = {name: np.array(source[name]) for name in source}
+  weights['encoder.block.1.layer.0.SelfAttention.q.weight'][4, :3] = np.nan
+  safetensors_io.save_file(weights, tmp_path / 'model.safetensors')
+  with pytest.raises(checkpoints.CheckpointError, match=re.escape(
+      f"Parameter 'encoder/layers_1/attention/query/kernel' in {tmp_path} has 3 NaN/Inf values"
+      ' (of 1024); the checkpoint is corrupt.')):
+    hf_t5.load_hf_t5(tmp_path)
+  # T5's positions are relative: no context length is built into the model.
+  config, _ = hf_t5.load_hf_t5(directory)
+  assert t5.T5(config).max_context_length is None, version
 
 
 def test_safetensors_roundtrip_including_bfloat16(tmp_path):

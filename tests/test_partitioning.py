@@ -234,7 +234,9 @@ def _wait_for_all(procs, timeout: int = 600) -> list[str]:
 @pytest.mark.slow
 def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
   """`python -m speclm.run` in 2 processes: each decodes its share on a 2x2 mesh of its own
-  4 devices; process 0 merges, and the report has every example exactly once."""
+  4 devices; process 0 merges, and the report has every example exactly once. The processes
+  write to different directories (as hosts of a TPU slice write to their own disks): the
+  records reach process 0 over JAX's collectives, not a shared file system."""
   port = _free_port()
   env = dict(os.environ)
   env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
@@ -249,14 +251,15 @@ def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
             f'--gin.partitioning.initialize_distributed.process_id={process_id}',
             '--gin.synthetic_dataset.num_examples=13',  # uneven: 7 and 6 examples
             '--gin.run_job.measure_cost=False', '--gin.run_job.show_progress=False',
-            f"--gin.OUTPUT_DIR='{out}'"]
+            f"--gin.OUTPUT_DIR='{out if process_id == 0 else tmp_path / 'host_1'}'"]
     procs.append(subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   _wait_for_all(procs)
 
   from speclm import outputs  # pylint: disable=g-import-not-at-top
-  parts = [outputs.read_predictions(str(out / f'process_{p:03d}' / 'predictions.jsonl'))
-           for p in range(2)]
+  parts = [outputs.read_predictions(str(directory / f'process_{p:03d}' / 'predictions.jsonl'))
+           for p, directory in enumerate([out, tmp_path / 'host_1'])]
+  assert not (out / 'process_001').exists()
   assert sorted(r['index'] for r in parts[0]) == list(range(0, 13, 2))
   assert sorted(r['index'] for r in parts[1]) == list(range(1, 13, 2))
   merged = outputs.read_predictions(str(out / 'predictions.jsonl'))

@@ -39,8 +39,30 @@ def test_a_different_job_is_refused(tmp_path):
   with outputs.OutputDir(str(tmp_path)) as out:
     out.resume({'mode': 'compare', 'dataset': 'abc'})
   with outputs.OutputDir(str(tmp_path)) as out:
-    with pytest.raises(outputs.OutputError, match=r'different job \(changed: dataset\)'):
+    with pytest.raises(outputs.OutputError,
+                       match=r'different job \(dataset: "abc" -> "xyz"\)'):
       out.resume({'mode': 'compare', 'dataset': 'xyz'})
+    out.check({'mode': 'compare'}, partial=True)  # a partial check compares what it is given
+    with pytest.raises(outputs.OutputError, match=r'mode: "compare" -> "baseline"'):
+      out.check({'mode': 'baseline'}, partial=True)
+
+
+def test_a_batch_recorded_only_in_part_is_decoded_again(tmp_path):
+  rows = [dict(_record(i), batch=2 * (i // 2), batch_rows=2) for i in range(5)]
+  rows[4]['batch_rows'] = 1  # a short last batch
+  out = outputs.OutputDir(str(tmp_path))
+  out.resume({'job': 1})
+  out.append(rows[:3])  # batch 0 whole, batch 2 only its first row (a crash mid-write)
+  out.close()
+  out = outputs.OutputDir(str(tmp_path))
+  assert sorted(out.resume({'job': 1})) == [0, 1]
+  out.append(rows[2:])
+  out.close()
+  records = outputs.read_predictions(str(tmp_path / outputs.PREDICTIONS))
+  assert [r['index'] for r in records] == [0, 1, 2, 3, 4]
+  out = outputs.OutputDir(str(tmp_path))
+  assert sorted(out.resume({'job': 1})) == [0, 1, 2, 3, 4]  # a whole short batch stays
+  out.close()
 
 
 def test_two_jobs_cannot_share_a_directory(tmp_path):

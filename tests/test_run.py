@@ -165,7 +165,8 @@ def test_error_nonexistent_checkpoint(tmp_path):
       tmp_path / 'out', "TARGET_CHECKPOINT = '/nonexistent/t5_xxl'",
       "DRAFT_CHECKPOINT = '/nonexistent/t5_small'", 'VOCABULARY = @ByteVocabulary',
       'DATASET = @synthetic_dataset', gin_files=('ende_small.gin',))
-  assert 'The checkpoint path /nonexistent/t5_xxl does not exist' in message
+  assert 'The target checkpoint (t5_checkpoint_model.checkpoint_path) path /nonexistent/t5_xxl' \
+      ' does not exist' in message
 
 
 def test_error_empty_dataset(tmp_path):
@@ -178,10 +179,13 @@ def test_error_unwritable_output_dir(tmp_path):
   blocker.write_text('')
   message = _jobs_error(blocker / 'out')
   assert 'Cannot create the output directory' in message
+  assert 'exists and is not a directory' in _jobs_error(blocker)
 
 
 def test_error_bad_settings(tmp_path):
-  assert 'temperature must be a number >= 0' in _jobs_error(tmp_path, 'TEMPERATURE = -1.0')
+  assert 'temperature must be a finite number >= 0' in _jobs_error(tmp_path, 'TEMPERATURE = -1.0')
+  assert 'temperature must be a finite number >= 0' in _jobs_error(tmp_path,
+                                                                   'TEMPERATURE = 1e999')  # inf
   assert 'integer >= 1' in _jobs_error(tmp_path, 'GAMMA = 0')
   assert "needs a draft model" in _jobs_error(tmp_path, 'DRAFT = None')
 
@@ -196,7 +200,7 @@ def test_cli_finds_gin_files_from_any_directory(tmp_path):
       cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2
   assert 'The dataset is empty' in proc.stderr and 'Traceback' not in proc.stderr
-  assert (tmp_path / 'out' / 'config.gin').exists()
+  assert not (tmp_path / 'out' / 'config.gin').exists()  # nothing written to a refused job
 
 
 def test_cli_error_is_one_paragraph_and_nonzero(tmp_path):
@@ -249,6 +253,81 @@ def test_tpu_script_dry_run_prints_every_gcloud_command(tmp_path):
   assert verbs == ['create', 'scp', 'ssh', 'ssh', 'scp', 'delete']
   assert "--gin.TARGET_CHECKPOINT='gs://b/xxl'" in commands[3]
   assert '--gin_file=ende_small.gin' in commands[3]
+
+
+def _tpu_dry_run(tmp_path, *args):
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'tpu', 'run_on_tpu.py'), '--name=vm1',
+       '--zone=us-central2-b', *args, '--dry-run'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  commands = [line for line in proc.stdout.splitlines() if line.startswith('gcloud ')]
+  return proc, dict(zip(['create', 'scp', 'install', 'run', 'copy back', 'delete'], commands))
+
+
+@pytest.mark.parametrize('accelerator', ['v4-8', 'v5litepod-8', 'v5litepod-4', 'v5p-8', 'v3-8',
+                                         'v2-8', 'v6e-8'])
+def test_tpu_script_runs_on_worker_0_of_a_single_host_slice(tmp_path, accelerator):
+  proc, steps = _tpu_dry_run(tmp_path, f'--accelerator_type={accelerator}',
+                             '--gin_file=ende_small.gin')
+  assert proc.returncode == 0, proc.stderr
+  for step in ('scp', 'install', 'run', 'copy back'):
+    assert '--worker=0' in steps[step].split() and '--worker=all' not in steps[step], step
+  assert 'initialize_distributed' not in steps['run'] and 'MULTI_HOST' not in steps['run']
+
+
+@pytest.mark.parametrize('gin_files,binding', [
+    (['ende_small.gin'], '--gin.partitioning.initialize_distributed.enabled=True'),
+    (['ende_small.gin', 'runs/sharded.gin'], '--gin.MULTI_HOST=True')])
+def test_tpu_script_runs_on_every_worker_of_a_multi_host_slice(tmp_path, gin_files, binding):
+  proc, steps = _tpu_dry_run(tmp_path, '--accelerator_type=v4-32',
+                             *[f'--gin_file={f}' for f in gin_files])
+  assert proc.returncode == 0, proc.stderr
+  for step in ('scp', 'install', 'run'):  # every host gets the code and runs the program
+    assert '--worker=all' in steps[step].split() and '--worker=0' not in steps[step], step
+  assert binding in steps['run'] and 'python3 -m speclm.run' in steps['run']
+  assert '--worker=0' in steps['copy back'].split()  # process 0 merged the results there
+  assert '--recurse' in steps['copy back'].split()
+  assert 'v4-32 has 4 hosts' in proc.stderr
+  # The binding parses, and turns jax.distributed on, with these gin files.
+  name, value = binding[len('--gin.'):].split('=', 1)
+  gin.clear_config()
+  try:
+    run.parse_gin(gin_files, [f'{name} = {value}', "TARGET_CHECKPOINT = 'x'",
+                              "DRAFT_CHECKPOINT = 'y'", "OUTPUT_DIR = '/tmp/x'"])
+    enabled = gin.query_parameter('partitioning.initialize_distributed.enabled')
+    if isinstance(enabled, gin.config.ConfigurableReference):  # %MULTI_HOST
+      enabled = gin.query_parameter(repr(enabled))
+    assert enabled is True
+  finally:
+    gin.clear_config()
+
+
+def test_tpu_script_command_runs_on_every_worker_as_given(tmp_path):
+  proc, steps = _tpu_dry_run(tmp_path, '--accelerator_type=v5litepod-16', '--command=echo hi')
+  assert proc.returncode == 0, proc.stderr
+  assert '--worker=all' in steps['run'].split()
+  assert steps['run'].endswith('"--command=cd speclm && echo hi"')  # nothing added
+  assert 'must enable multi-host itself' in proc.stderr
+
+
+def test_tpu_hosts_per_accelerator_type():
+  num_hosts = scripts.load_script(os.path.join(REPO, 'scripts', 'tpu', 'run_on_tpu.py')).num_hosts
+  assert {t: num_hosts(t) for t in ['v2-8', 'v3-8', 'v3-32', 'v4-8', 'v4-16', 'v4-32', 'v5p-8',
+                                     'v5p-16', 'v5litepod-1', 'v5litepod-4', 'v5litepod-8',
+                                     'v5litepod-16', 'v5litepod-256', 'v6e-8', 'v6e-16']} == {
+      'v2-8': 1, 'v3-8': 1, 'v3-32': 4, 'v4-8': 1, 'v4-16': 2, 'v4-32': 4, 'v5p-8': 1,
+      'v5p-16': 2, 'v5litepod-1': 1, 'v5litepod-4': 1, 'v5litepod-8': 1, 'v5litepod-16': 4,
+      'v5litepod-256': 64, 'v6e-8': 1, 'v6e-16': 4}
+  with pytest.raises(ValueError, match='known generations are v2-N, v3-N, v4-N, v5p-N'):
+    num_hosts('v7x-8')
+  with pytest.raises(ValueError, match='multiple of 8'):
+    num_hosts('v4-12')
+
+
+def test_tpu_script_refuses_an_unknown_accelerator_type(tmp_path):
+  proc, steps = _tpu_dry_run(tmp_path, '--accelerator_type=tpu-big', '--gin_file=a.gin')
+  assert proc.returncode == 2 and not steps
+  assert "Unknown TPU accelerator type 'tpu-big': known generations are" in proc.stderr
 
 
 @pytest.mark.parametrize('cpu_kernels', [False, True])

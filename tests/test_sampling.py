@@ -136,7 +136,42 @@ def test_sample_with_mass_in_one_tiny_entry_of_the_last_block():
     (dict(top_p=1.5), 'top_p'),
     (dict(top_k=-1), 'top_k'),
     (dict(top_k=2.5), 'top_k'),
+    (dict(top_k=2.0), 'top_k'),
+    (dict(temperature=float('nan')), 'temperature must be a finite number'),
+    (dict(temperature=float('inf')), 'temperature must be a finite number'),
+    (dict(temperature=np.float32('nan')), 'temperature must be a finite number'),
+    (dict(top_p=float('nan')), 'top_p must be a finite number'),
+    (dict(top_p=float('inf')), 'top_p must be a finite number'),
+    (dict(top_p=np.float64('-inf')), 'top_p must be a finite number'),
+    (dict(temperature=True), 'temperature'),
+    (dict(top_p=True), 'top_p'),
+    (dict(top_k=True), 'top_k'),
+    (dict(top_k=np.bool_(True)), 'top_k'),
+    (dict(temperature='0.7'), 'temperature'),
+    (dict(top_k=np.int64(-1)), 'top_k'),
 ])
 def test_invalid_settings_raise_before_tracing(kwargs, message):
   with pytest.raises(ValueError, match=message):
     sampling.SamplingConfig(**kwargs)
+
+
+def test_numpy_scalars_are_accepted_and_stored_as_python_numbers():
+  config = sampling.SamplingConfig(temperature=np.float32(0.7), top_k=np.int64(5),
+                                   top_p=np.float64(0.9))
+  assert type(config.temperature) is float and type(config.top_p) is float
+  assert type(config.top_k) is int
+  # float32(0.7) is not 0.7; the stored value is that float32 value as a Python float.
+  assert config == sampling.SamplingConfig(float(np.float32(0.7)), 5, 0.9)
+  assert hash(config) == hash(sampling.SamplingConfig(float(np.float32(0.7)), 5, 0.9))
+  assert sampling.SamplingConfig(np.float64(0.7)) == sampling.SamplingConfig(0.7)
+  assert sampling.SamplingConfig(top_k=np.int32(3)) == sampling.SamplingConfig(top_k=3)
+  # Python ints are numbers too, stored as floats where the field is a float.
+  assert type(sampling.SamplingConfig(temperature=1, top_p=1).temperature) is float
+  assert sampling.SamplingConfig(temperature=np.int64(0)).is_greedy
+  # Equal settings are one static argument of jax.jit: no recompilation.
+  logits = np.random.RandomState(2).normal(size=(2, 7))
+  jitted = jax.jit(sampling.standardize, static_argnums=1)
+  jitted(logits, sampling.SamplingConfig(np.float64(0.5)))
+  compiled = jitted._cache_size()
+  jitted(logits, sampling.SamplingConfig(0.5))
+  assert jitted._cache_size() == compiled

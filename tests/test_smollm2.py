@@ -72,8 +72,15 @@ def test_config_read_from_metadata(smol):
   assert model.definition.config == llama.LlamaConfig(
       vocab_size=49152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3, head_dim=64,
       mlp_dim=1536, rope_theta=100_000.0, norm_eps=model.definition.config.norm_eps,
-      tie_embeddings=False)
+      tie_embeddings=False, max_position_embeddings=8192)
   assert abs(model.definition.config.norm_eps - 1e-5) < 1e-10
+  # The GGUF's llama.context_length; drafts built from the target carry it too.
+  assert model.definition.max_context_length == 8192
+  from speclm.models import eagle  # pylint: disable=import-outside-toplevel
+  from speclm.models import smollm2_draft  # pylint: disable=import-outside-toplevel
+  config = model.definition.config
+  assert smollm2_draft.draft_config(config, 2, 100).max_position_embeddings == 8192
+  assert eagle.draft_config(config, 1, 100).max_position_embeddings == 8192
   table = model.params['embedder']['embedding']
   np.testing.assert_array_equal(model.params['lm_head']['kernel'], np.asarray(table).T)
   num_params = sum(np.size(x) for x in jax.tree_util.tree_leaves(model.params)) - table.size

@@ -15,14 +15,23 @@ Steps (each one gcloud command; --dry-run prints them all and runs none):
       --gin.DRAFT_CHECKPOINT="'gs://bucket/t5_1_1_small_ende/checkpoint_1000000'" \
       --local_output_dir=results/ende_small --dry-run
 
-Needs the Google Cloud SDK (`gcloud`) logged in to a project with TPU quota. The job runs on
-worker 0 of a single-host slice (v4-8, v5litepod-8, …).
+Needs the Google Cloud SDK (`gcloud`) logged in to a project with TPU quota.
+
+Single-host slices (v4-8, v5p-8, v5litepod-8, v6e-8, v3-8, …) copy, install and run on worker 0.
+A slice of several hosts (v4-32, v5litepod-16, …; see `num_hosts`) must run the JAX program on
+every host at once, so steps 2-4 use --worker=all and the gin job gets
+--gin.partitioning.initialize_distributed.enabled=True, or --gin.MULTI_HOST=True with
+runs/sharded.gin (jax.distributed.initialize() on every host; each decodes its share, process
+0 merges them and writes the report); step 5 copies from worker 0. A --command runs on every
+worker as given: it must enable multi-host itself. The merge reads every host's part from
+OUTPUT_DIR, so on several hosts that directory must be one the hosts share (docs/tpu.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -33,6 +42,56 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 REMOTE_DIR = 'speclm'
 REMOTE_OUTPUT = 'speclm_output'
 ARCHIVE = 'speclm_checkout.tar.gz'
+
+
+# TPU generation -> (what the number in '<generation>-<N>' counts, how many of those one host
+# holds). Cloud TPU's system architecture pages: v2 and v3 have 2 TensorCores per chip and 4
+# chips per host; v4 and v5p have 2 TensorCores per chip and 4 chips per host; v5e
+# (v5litepod) and v6e name chips: up to 8 on one host, and 4 per host in a multi-host slice.
+_GENERATIONS = {'v2': ('TensorCores', 8), 'v3': ('TensorCores', 8), 'v4': ('TensorCores', 8),
+                'v5p': ('TensorCores', 8), 'v5litepod': ('chips', 4), 'v6e': ('chips', 4)}
+# The largest slice of one host where a host holds more than in multi-host slices.
+_SINGLE_HOST_MAX = {'v5litepod': 8, 'v6e': 8}
+# The gin binding that turns on jax.distributed.initialize() at the job's start: the
+# configurable's own parameter, which works with any gin files; with configs/runs/sharded.gin,
+# its MULTI_HOST macro, which sets that parameter (speclm.run refuses a macro no file uses).
+MULTI_HOST_BINDING = '--gin.partitioning.initialize_distributed.enabled=True'
+SHARDED_MULTI_HOST_BINDING = '--gin.MULTI_HOST=True'
+
+
+def num_hosts(accelerator_type: str) -> int:
+  """How many hosts (TPU VM workers) a Cloud TPU slice `<generation>-<N>` has.
+
+  The rule, from Cloud TPU's system architecture documentation:
+    * v2-N, v3-N: N TensorCores, 2 per chip, 4 chips (8 TensorCores) per host: N / 8 hosts
+      (v3-8: 1, v3-32: 4).
+    * v4-N, v5p-N: N TensorCores, 2 per chip, 4 chips (8 TensorCores) per host: N / 8 hosts
+      (v4-8: 1, v4-16: 2, v4-32: 4).
+    * v5litepod-N (v5e), v6e-N: N chips; N <= 8 fit one host (1, 4 or 8 chips), larger
+      slices have 4 chips per host: N / 4 hosts (v5litepod-16: 4, v6e-256: 64).
+
+  Raises ValueError for a generation not listed above or a size that is not a slice size.
+  """
+  match = re.fullmatch(r'(v[0-9][a-z]*)-([0-9]+)', accelerator_type.strip().lower())
+  known = ', '.join(f'{g}-N' for g in _GENERATIONS)
+  if not match or match.group(1) not in _GENERATIONS:
+    raise ValueError(f'Unknown TPU accelerator type {accelerator_type!r}: known generations are'
+                     f' {known} (e.g. v4-8, v4-32, v5p-8, v5litepod-8, v6e-16).')
+  generation, size = match.group(1), int(match.group(2))
+  counted, per_host = _GENERATIONS[generation]
+  if 0 < size <= _SINGLE_HOST_MAX.get(generation, 0):
+    return 1
+  if size < per_host or size % per_host:
+    raise ValueError(f'{accelerator_type!r} is not a {generation} slice size: N counts'
+                     f' {counted}, {per_host} per host, so N must be a multiple of {per_host}.')
+  return size // per_host
+
+
+def multi_host_binding(gin_files: Sequence[str]) -> str:
+  """The flag that makes `speclm.run` with these gin files start jax.distributed."""
+  if any(os.path.basename(f) == 'sharded.gin' for f in gin_files):
+    return SHARDED_MULTI_HOST_BINDING
+  return MULTI_HOST_BINDING
 
 
 def checkout_files(repo: str = REPO) -> list[str]:
@@ -72,18 +131,24 @@ def plan(args: argparse.Namespace, gin_args: Sequence[str], archive: str) -> dic
       'python3 -m pip install --upgrade pip',
       'python3 -m pip install "jax[tpu]"',
       f'python3 -m pip install -e "./{REMOTE_DIR}{extras}"'])
+  multi_host = num_hosts(args.accelerator_type) > 1
   if args.command:
     job = args.command
   else:
-    # The job runs in ~/speclm, so ../speclm_output is ~/speclm_output.
+    # The job runs in ~/speclm, so ../speclm_output is ~/speclm_output. The multi-host binding
+    # comes before the user's, so an explicit one of the same name wins.
     job = display(['python3', '-m', 'speclm.run',
-                   *[f'--gin_file={f}' for f in args.gin_file], *gin_args,
+                   *[f'--gin_file={f}' for f in args.gin_file],
+                   *([multi_host_binding(args.gin_file)] if multi_host else []), *gin_args,
                    f"--gin.OUTPUT_DIR='../{REMOTE_OUTPUT}'"])
   run = f'cd {REMOTE_DIR} && {job}'
-  ssh = lambda command: tpu + ['ssh', args.name, *where, '--worker=0', f'--command={command}']
+  # Every host of a multi-host slice gets the code and runs the program (jax.distributed waits
+  # for all of them); process 0, on worker 0, merges the results.
+  workers = '--worker=all' if multi_host else '--worker=0'
+  ssh = lambda command: tpu + ['ssh', args.name, *where, workers, f'--command={command}']
   return {
       'create': [create],
-      'copy code': [tpu + ['scp', archive, f'{args.name}:~/{ARCHIVE}', *where, '--worker=0']],
+      'copy code': [tpu + ['scp', archive, f'{args.name}:~/{ARCHIVE}', *where, workers]],
       'install': [ssh(install)],
       'run job': [ssh(run)],
       'copy results': [tpu + ['scp', '--recurse', f'{args.name}:~/{REMOTE_OUTPUT}',
@@ -118,6 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error(f'unrecognized arguments: {" ".join(unknown)}')
   if not args.gin_file and not args.command:
     parser.error('give --gin_file (a gin job) or --command.')
+  try:
+    hosts = num_hosts(args.accelerator_type)
+  except ValueError as e:
+    parser.error(str(e))
+  if hosts > 1:
+    print(f'# {args.accelerator_type} has {hosts} hosts: copying, installing and running on'
+          ' every worker (--worker=all), results from worker 0'
+          + ('; --command runs as given, so it must enable multi-host itself (e.g.'
+             f' {MULTI_HOST_BINDING} for speclm.run)' if args.command else
+             f' ({multi_host_binding(args.gin_file)})') + '.', file=sys.stderr)
 
   with tempfile.TemporaryDirectory() as tmp:
     archive = os.path.join(tmp, ARCHIVE)

@@ -11,6 +11,8 @@ into a `LlamaConfig`:
   rotate the two halves (x_i, x_{i+H/2}). `unpermute_rows` restores the half layout.
 * GGUF stores a matrix `[out, in]` (numpy row-major, the reverse of the file's listed shape);
   our kernels are `[in, out]`, with the heads axis split out for attention.
+* `{arch}.context_length` becomes `LlamaConfig.max_position_embeddings` (the model's
+  `max_context_length`); parameters holding NaN/Inf are refused (`validate.check_finite`).
 
 Typical use:
 
@@ -27,6 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from speclm import protocol
+from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
 
 _SETUP_HINT = 'Install it with `pip install gguf` (speclm extra: `pip install speclm[gguf]`).'
@@ -198,6 +201,7 @@ def config_from_gguf(file: GGUFFile, *, dtype: str = 'float32') -> llama.LlamaCo
     scaling = llama.RopeScaling(kind='linear', factor=float(md['llama.rope.scaling.factor']))
   elif scaling_type not in ('none', None):
     raise ValueError(f'{path!r}: RoPE scaling {scaling_type!r} is not supported (only linear).')
+  context = md.get(f'{arch}.context_length')  # the trained context, e.g. 8192
   return llama.LlamaConfig(
       vocab_size=vocab_size,
       num_layers=int(_get(md, 'llama.block_count', path)),
@@ -210,6 +214,7 @@ def config_from_gguf(file: GGUFFile, *, dtype: str = 'float32') -> llama.LlamaCo
       rope_scaling=scaling,
       norm_eps=float(md.get('llama.attention.layer_norm_rms_epsilon', 1e-5)),
       tie_embeddings='output.weight' not in file.tensors,
+      max_position_embeddings=int(context) if context else None,
       param_dtype=dtype,
       dtype=dtype)
 
@@ -298,6 +303,7 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
   file = source if isinstance(source, GGUFFile) else open_gguf(source)
   config = config_from_gguf(file, dtype=dtype)
   params = params_from_gguf(file, config)
+  check_finite(params, file.path, error=ValueError)
   definition = llama.Llama(config)
   params = {k: _to_jax(v, jnp) for k, v in params.items()}
   definition.validate_params(params)

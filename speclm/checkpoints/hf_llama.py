@@ -4,7 +4,8 @@ A directory as `LlamaForCausalLM.save_pretrained` writes it (one file or shards 
 `model.safetensors.index.json`) becomes a `speclm.protocol.Model` whose logits equal
 Hugging Face's. Safetensors files are parsed here directly (an 8-byte header length, a JSON
 header, raw little-endian arrays), so nothing is unpickled and bfloat16 needs no torch.
-`*.bin` (pickle) checkpoints are refused.
+`*.bin` (pickle) checkpoints are refused, and so are weights holding NaN/Inf
+(`validate.check_finite`).
 
 Name mapping (HF weights are `[out, in]`; our kernels `[in, out]`):
   model.embed_tokens.weight                 -> embedder/embedding
@@ -32,6 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from speclm import protocol
+from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
 
 _DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'I64': np.int64,
@@ -116,7 +118,8 @@ def _rope_scaling(rope: Mapping[str, Any] | None) -> llama.RopeScaling | None:
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: str = 'float32',
                    tie_embeddings: bool | None = None) -> llama.LlamaConfig:
-  """A `LlamaConfig` from a HF `config.json` dictionary (transformers 4.x or 5.x keys)."""
+  """A `LlamaConfig` from a HF `config.json` dictionary (transformers 4.x or 5.x keys);
+  `max_position_embeddings` is the model's context length (None when absent)."""
   model_type = hf.get('model_type', 'llama')
   if model_type not in ('llama', 'mistral') and 'LlamaForCausalLM' not in hf.get(
       'architectures', []):
@@ -135,6 +138,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = 'float32',
   theta = float(rope.get('rope_theta', hf.get('rope_theta', 10_000.0)))
   scaling = _rope_scaling(rope if rope else hf.get('rope_scaling'))
   tie = bool(hf.get('tie_word_embeddings', False)) if tie_embeddings is None else tie_embeddings
+  max_positions = hf.get('max_position_embeddings')
   return llama.LlamaConfig(
       vocab_size=int(hf['vocab_size']),
       num_layers=int(hf['num_hidden_layers']),
@@ -147,6 +151,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = 'float32',
       rope_scaling=scaling,
       norm_eps=float(hf.get('rms_norm_eps', 1e-6)),
       tie_embeddings=tie,
+      max_position_embeddings=int(max_positions) if max_positions else None,
       param_dtype=dtype,
       dtype=dtype)
 
@@ -223,6 +228,8 @@ def config_to_hf(config: llama.LlamaConfig) -> dict[str, Any]:
       num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.mlp_dim,
       hidden_act='silu', rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
       attention_bias=False, mlp_bias=False, rope_theta=c.rope_theta)
+  if c.max_position_embeddings is not None:
+    hf['max_position_embeddings'] = c.max_position_embeddings
   if c.rope_scaling is not None:
     r = c.rope_scaling
     hf['rope_scaling'] = (
@@ -352,6 +359,7 @@ def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> proto
   if not config.tie_embeddings and 'lm_head.weight' not in weights:
     config = dataclasses.replace(config, tie_embeddings=True)
   params = params_from_hf(weights, config)
+  check_finite(params, os.fspath(directory), error=ValueError)
   params = _to_jax(params, jnp)
   definition = llama.Llama(config)
   definition.validate_params(params)

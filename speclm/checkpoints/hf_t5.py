@@ -44,6 +44,7 @@ import numpy as np
 from speclm import protocol
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.t5x import CheckpointError
+from speclm.checkpoints.validate import check_finite
 from speclm.models import layers
 from speclm.models import t5
 
@@ -265,4 +266,5 @@ def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
       raise CheckpointError(f'Parameter {ours} (from {hf_name} in {directory}) has shape'
                             f' {tuple(arr.shape)}, the model config expects {want}.')
     flat[ours] = np.ascontiguousarray(arr).astype(target_dtype)
+  check_finite(flat, directory)
   return config, layers.unflatten(flat)

@@ -32,6 +32,7 @@ import numpy as np
 from speclm import protocol
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints import t5x
+from speclm.checkpoints import validate
 from speclm.models import layers
 
 Index = tuple  # a tuple of slices, one per dimension, as make_array_from_callback passes them
@@ -72,13 +73,9 @@ def array_from_reader(shape, dtype, sharding: jax.sharding.Sharding,
 
 
 def _open_zarr(spec: dict, base_dir: str, name: str, source: str):
-  """A TensorStore handle on the zarr array `spec` points at (relative to `base_dir`)."""
+  """A TensorStore handle on the zarr array `spec` points at (inside `base_dir` only)."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  rel = t5x._relative_path(spec)  # pylint: disable=protected-access
-  if rel.startswith('gs://') or os.path.isabs(rel):
-    where = rel
-  else:
-    where = t5x._join(base_dir, rel)  # pylint: disable=protected-access
+  where = t5x._array_location(spec, base_dir, name, source)  # pylint: disable=protected-access
   if not t5x._is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):  # pylint: disable=protected-access
     return None  # no .zarray (copied without hidden files): read whole with the numpy reader
   try:
@@ -99,8 +96,12 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
   msgpack_path, base_dir = t5x._checkpoint_file(os.fspath(path))  # pylint: disable=protected-access
   state = t5x._parse_msgpack(t5x._read_bytes(msgpack_path), msgpack_path)  # pylint: disable=protected-access
   flat = t5x._flatten(t5x._target(state, msgpack_path))  # pylint: disable=protected-access
+  prefix = t5x._target_prefix(state)  # pylint: disable=protected-access
   flat_expected = t5x._flatten_mapping(expected)  # pylint: disable=protected-access
   t5x._check_names(flat_expected, flat, msgpack_path)  # pylint: disable=protected-access
+  for name, leaf in flat.items():  # every zarr path inside the directory, before any read
+    if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
+      t5x._array_location(leaf, base_dir, f'{prefix}/{name}', msgpack_path)  # pylint: disable=protected-access
   shardings = t5x._flatten_mapping(  # pylint: disable=protected-access
       partitioner.param_shardings(definition, expected, role))
   out = {}
@@ -109,9 +110,9 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
     if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
       t5x._check_shape(name, t5x._spec_shape(leaf, name, msgpack_path), want.shape,  # pylint: disable=protected-access
                        msgpack_path)
-      store = _open_zarr(leaf, base_dir, name, msgpack_path)
+      store = _open_zarr(leaf, base_dir, f'{prefix}/{name}', msgpack_path)
       if store is None:
-        whole = t5x._read_zarr(leaf, base_dir, name, msgpack_path)  # pylint: disable=protected-access
+        whole = t5x._read_zarr(leaf, base_dir, f'{prefix}/{name}', msgpack_path)  # pylint: disable=protected-access
         read = lambda index, whole=whole: whole[index]
       else:
         read = lambda index, store=store: store[index].read().result()
@@ -120,6 +121,7 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
       t5x._check_shape(name, whole.shape, want.shape, msgpack_path)  # pylint: disable=protected-access
       read = lambda index, whole=whole: whole[index]
     out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
+  validate.check_finite(out, msgpack_path, role=role)
   return layers.unflatten(out)
 
 
@@ -210,4 +212,5 @@ def load_hf_llama_sharded(directory: str | os.PathLike, partitioner, role: str =
     if tuple(shape) != tuple(want.shape):
       raise ValueError(f'{name}: checkpoint shape {shape}, config expects {want.shape}.')
     out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
+  validate.check_finite(out, directory, role=role, error=ValueError)
   return protocol.Model(definition, layers.unflatten(out))

@@ -9,9 +9,12 @@ Legacy layout of `checkpoint_<step>/`:
                              split by Flax into {'__msgpack_chunked_array__': True, ...}.
   target.encoder.layers_0…   large arrays as zarr v2 (gzip chunks), referenced in the msgpack by
                              a TensorStore spec whose kvstore path is relative to the directory.
+                             A path that leads outside the directory (absolute, `..`, another
+                             bucket, or a symbolic link out of it) is refused, never read.
 
 Only `target` (the parameters) is read: the optimizer state's inline arrays are never decoded
-and its zarr arrays never opened. Nothing is unpickled. Local paths and `gs://` paths work (the
+and its zarr arrays never opened. Nothing is unpickled. Restored parameters holding NaN or Inf
+are refused (`speclm.checkpoints.validate.check_finite`). Local paths and `gs://` paths work (the
 latter through TensorStore's GCS kvstore, with the usual Google credentials).
 
 Public functions:
@@ -36,6 +39,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from speclm.checkpoints.validate import check_finite
 from speclm.models import layers
 
 SUPPORTED_VERSIONS = (1, 2, 3)
@@ -197,6 +201,11 @@ def _target(state: dict, source: str) -> dict:
                         ' "optimizer/target" is present.')
 
 
+def _target_prefix(state: dict) -> str:
+  """The msgpack path of the tree `_target` returns ('target' or 'optimizer/target')."""
+  return 'target' if isinstance(state.get('target'), dict) else 'optimizer/target'
+
+
 def _is_ts_spec(node) -> bool:
   return isinstance(node, dict) and 'driver' in node and ('kvstore' in node or 'path' in node)
 
@@ -294,18 +303,72 @@ def _read_zarr_numpy(array_dir: str, metadata: dict, dtype: np.dtype, name: str)
   return out
 
 
-def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
-  rel = _relative_path(spec)
-  if rel.startswith('gs://'):
-    base_dir, rel = posixpath.split(rel.rstrip('/'))
-  elif os.path.isabs(rel):
-    base_dir, rel = os.path.split(rel.rstrip('/'))
+def _outside(message_rel: str, name: str, source: str) -> CheckpointError:
+  return CheckpointError(f"T5X checkpoint {source}: array '{name}' points outside the checkpoint"
+                         f' directory ({message_rel}); refusing to read it.')
+
+
+def _within(path: str, root: str) -> bool:
+  """Whether `path` lies strictly below `root` (both normalised, same kind of path)."""
+  return path != root and path.startswith(root.rstrip('/') + '/')
+
+
+def _array_location(spec: dict, base_dir: str, name: str, source: str) -> str:
+  """Where the zarr array `spec` points, confined to the checkpoint directory `base_dir`.
+
+  The spec's kvstore path is resolved against `base_dir` and must stay inside it after
+  normalisation (no absolute paths elsewhere, no `..` out of it, no other bucket); locally,
+  symbolic links are resolved too (`os.path.realpath`), the array directory's and those of
+  the files in it. Anything else is a CheckpointError naming the array and the path.
+  """
+  try:
+    rel = _relative_path(spec)
+  except (KeyError, TypeError) as e:
+    raise CheckpointError(f"T5X checkpoint {source}: the TensorStore spec of array '{name}' has"
+                          ' no kvstore path.') from e
+  if not isinstance(rel, str) or not rel.strip('/'):
+    raise _outside(repr(rel), name, source)
   if _is_gcs(base_dir):
-    where = posixpath.join(base_dir, rel)
+    bucket, prefix = _split_gcs(base_dir)
+    root = posixpath.normpath('/' + prefix)
+    if _is_gcs(rel):  # counts only if it names an object under this very directory
+      rel_bucket, rel_key = _split_gcs(rel)
+      if rel_bucket != bucket:
+        raise _outside(rel, name, source)
+      key = posixpath.normpath('/' + rel_key)
+    elif rel.startswith('/') or os.path.isabs(rel):
+      raise _outside(rel, name, source)  # a local path from a GCS checkpoint
+    else:
+      key = posixpath.normpath(posixpath.join(root, rel))
+    if not _within(key, root):
+      raise _outside(rel, name, source)
+    return f'gs://{bucket}{key}'
+  if _is_gcs(rel):
+    raise _outside(rel, name, source)
+  root = os.path.normpath(os.path.abspath(base_dir))
+  where = os.path.normpath(os.path.join(root, rel))  # an absolute `rel` replaces `root`
+  if not _within(where, root):
+    raise _outside(rel, name, source)
+  real_root = os.path.realpath(root)
+  real = os.path.realpath(where)
+  if not _within(real, real_root):
+    raise _outside(f'{rel}, a link to {real}', name, source)
+  if os.path.isdir(where):  # links among its files (chunks, .zarray) must stay inside too
+    for directory, subdirs, files in os.walk(where):
+      for entry in subdirs + files:
+        path = os.path.join(directory, entry)
+        if os.path.islink(path) and not _within(os.path.realpath(path), real_root):
+          raise _outside(f'{os.path.relpath(path, root)}, a link to {os.path.realpath(path)}',
+                         name, source)
+  return where
+
+
+def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
+  where = _array_location(spec, base_dir, name, source)
+  if _is_gcs(where):
     kvstore = _kvstore_spec(where)
   else:
-    array_dir = os.path.join(base_dir, rel)
-    where = array_dir
+    array_dir = where
     if not os.path.isdir(array_dir):
       raise CheckpointError(f'Missing zarr array for {name}: {array_dir} (referenced by'
                             f' {source}).')
@@ -379,6 +442,7 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
   msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
   state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
   flat = _flatten(_target(state, msgpack_path))
+  prefix = _target_prefix(state)
   flat_expected = _expected_flat(expected)
   if flat_expected is not None:
     _check_names(flat_expected, flat, msgpack_path)
@@ -398,9 +462,13 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       if got is not None:
         _check_shape(name, got, flat_expected[name].shape, msgpack_path)
 
+  # Every zarr path must stay inside the checkpoint directory: checked before any is read.
+  for name, leaf in flat.items():
+    if _is_ts_spec(leaf):
+      _array_location(leaf, base_dir, f'{prefix}/{name}', msgpack_path)
   # zarr arrays are read concurrently (I/O bound, and GCS has high latency per request).
   with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-    pending = {name: pool.submit(_read_zarr, leaf, base_dir, name, msgpack_path)
+    pending = {name: pool.submit(_read_zarr, leaf, base_dir, f'{prefix}/{name}', msgpack_path)
                for name, leaf in flat.items() if _is_ts_spec(leaf)}
     zarr_arrays = {name: future.result() for name, future in pending.items()}
   out = {}
@@ -415,6 +483,7 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
     else:
       want = dtype
     out[name] = _cast(arr, want)
+  check_finite(out, msgpack_path, role=prefix)
   return layers.unflatten(out)
 
 
@@ -584,6 +653,7 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
     want = dtype if dtype is not None else (
         flat_expected[name].dtype if flat_expected is not None else None)
     out[name] = _cast(np.asarray(arr), want)
+  check_finite(out, path, role='/'.join(prefix) or None)
   return layers.unflatten(out)
 
 

@@ -120,8 +120,13 @@ def read_examples(path: str, *, format: str = 'auto', input_field: str = 'input'
     raise DataError(f"tsv_columns must name an 'input' column, got {tsv_columns}.")
 
   examples: list[Example] = []
-  with open(path, encoding='utf-8') as f:
-    for line_number, line in enumerate(f, start=1):
+  with open(path, 'rb') as f:
+    for line_number, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise DataError(f'{path}:{line_number} is not UTF-8 (byte {raw[e.start]:#04x} at column'
+                        f' {e.start + 1}); save the file as UTF-8.') from None
       line = line.rstrip('\n').rstrip('\r')
       if not line.strip():
         continue

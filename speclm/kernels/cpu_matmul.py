@@ -17,20 +17,40 @@ value, as in a draft trained and stored in bfloat16).
 
 The kernel is compiled with the system C++ compiler on first use (for this machine's CPU:
 -march=native) into a cache directory, `$SPECLM_KERNEL_CACHE` or ~/.cache/speclm/kernels, and
-registered with `jax.ffi`. `available()` is False, with the reason logged once, where that is
-impossible (no compiler, or JAX's default backend is not the CPU), and callers keep XLA's
-product. `pack_tree` adds packed copies to a whole parameter tree; `llama.pack_for_cpu` and
+registered with `jax.ffi`. `available()` is False where that is impossible, with the reason
+logged once: one warning line for a missing compiler, a failed compile, a library that does
+not load or lacks the kernel's symbols (any exception), an info line when JAX's default
+backend is not the CPU. Callers then keep XLA's product; `available()` never raises.
+
+The cache is checked before anything in it is loaded (loading a shared object runs its code):
+  * the build writes `skinny_matmul_<key>.so` and, next to it, `skinny_matmul_<key>.so.sha256`
+    (`sha256sum` format: the library's SHA-256, two spaces, its file name), each written to a
+    temporary file first and renamed into place, under a lock on `<cache>/.lock`;
+  * the cache directory is created with mode 0700. If it exists, belongs to this user and is
+    writable by group or others, it is made 0700 again and its kernel is rebuilt (what it held
+    is not trusted); if it belongs to another user or cannot be made private, the kernel is
+    built in a fresh private temporary directory for this process instead (compiled each run);
+  * the library and its .sha256 file must be regular files (not links) owned by this user, not
+    writable by group or others, and the library's SHA-256 must equal the recorded one.
+    Otherwise both are deleted and the kernel is rebuilt. So a truncated or replaced library is
+    never loaded, and a build that loads but lacks the kernel's symbols is deleted (the next
+    run rebuilds it).
+
+`pack_tree` adds packed copies to a whole parameter tree; `llama.pack_for_cpu` and
 `t5.pack_for_cpu` apply it to a model.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from typing import Mapping
@@ -64,41 +84,177 @@ def library_path() -> str:
   return os.path.join(_cache_dir(), f'skinny_matmul_{key}.so')
 
 
-def build() -> str:
-  """Compiles the kernel if it is not cached yet; returns the shared library's path."""
-  path = library_path()
-  if os.path.exists(path):
-    return path
+def _hash_path(path: str) -> str:
+  """The file recording the SHA-256 of the library at `path`."""
+  return path + '.sha256'
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0))
+  with os.fdopen(fd, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _unsafe_file(path: str) -> str | None:
+  """Why the file at `path` may not be trusted (None: a regular file of ours, writable by us
+  alone)."""
+  st = os.lstat(path)
+  if not stat.S_ISREG(st.st_mode):
+    return 'not a regular file'
+  if st.st_uid != os.getuid():
+    return f'owned by uid {st.st_uid}, not {os.getuid()}'
+  if st.st_mode & 0o022:
+    return f'writable by group or others (mode {stat.S_IMODE(st.st_mode):o})'
+  return None
+
+
+def _invalid(path: str) -> str | None:
+  """Why the cached library at `path` must not be loaded, or None when it can be."""
+  if not os.path.lexists(path):
+    return 'not built yet'
+  hash_path = _hash_path(path)
+  if not os.path.lexists(hash_path):
+    return 'no recorded SHA-256'
+  for name in (path, hash_path):
+    reason = _unsafe_file(name)
+    if reason:
+      return f'{os.path.basename(name)} is {reason}'
+  with open(hash_path, encoding='ascii', errors='replace') as f:
+    recorded = (f.read(200).split() or [''])[0]
+  if _sha256(path) != recorded:
+    return 'its SHA-256 differs from the recorded one (truncated or replaced)'
+  return None
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.unlink(path)
+
+
+def _discard(path: str) -> None:
+  """Deletes a cached library and its recorded hash."""
+  _remove(path)
+  _remove(_hash_path(path))
+
+
+def _private_dir(directory: str) -> str | None:
+  """`directory`, created 0700 if missing, made 0700 if it is ours but writable by others
+  (then its old content is discarded); None when it belongs to someone else or stays open."""
+  os.makedirs(directory, mode=0o700, exist_ok=True)
+  st = os.stat(directory)
+  if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+    return None
+  if st.st_mode & 0o022:
+    try:
+      os.chmod(directory, 0o700)
+    except OSError:
+      return None
+    logging.warning('cpu_matmul: the kernel cache %s was writable by group or others (mode'
+                    ' %o); made it 0700 and rebuilding its kernel.', directory,
+                    stat.S_IMODE(st.st_mode))
+    _discard(os.path.join(directory, os.path.basename(library_path())))
+  return directory
+
+
+@contextlib.contextmanager
+def _locked(directory: str):
+  """An exclusive lock on `directory`/.lock (concurrent builders wait for one another)."""
+  try:
+    import fcntl  # pylint: disable=g-import-not-at-top
+  except ImportError:  # not POSIX: no lock
+    yield
+    return
+  fd = os.open(os.path.join(directory, '.lock'), os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)
+
+
+def _compile(path: str) -> None:
+  """Compiles the kernel to `path` and records its SHA-256 beside it (both renamed into place,
+  so no reader sees a half-written file)."""
   compiler = _compiler()
   if compiler is None:
     raise RuntimeError('no C++ compiler found (set CXX, or install g++)')
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+  directory = os.path.dirname(path)
+  with tempfile.TemporaryDirectory(dir=directory) as tmp:
     out = os.path.join(tmp, 'kernel.so')
     command = [compiler, '-O3', '-march=native', '-fopenmp-simd', '-std=c++17', '-shared', '-fPIC',
                f'-I{jax.ffi.include_dir()}', _SOURCE, '-o', out]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-      raise RuntimeError(f'compiling {_SOURCE} failed:\n{result.stderr[-2000:]}')
-    os.replace(out, path)  # atomic: concurrent builders never load a half-written file
+    if result.returncode != 0 or not os.path.isfile(out):
+      lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+      detail = ' | '.join(lines[-6:])[-1000:] or 'no output'
+      raise RuntimeError(f'compiling {os.path.basename(_SOURCE)} with {compiler} failed (exit'
+                         f' {result.returncode}): {detail}')
+    os.chmod(out, 0o755)  # whatever the umask: only we may write it
+    hash_tmp = os.path.join(tmp, 'kernel.so.sha256')
+    with open(hash_tmp, 'w', encoding='ascii') as f:
+      f.write(f'{_sha256(out)}  {os.path.basename(path)}\n')
+    os.chmod(hash_tmp, 0o644)
+    os.replace(hash_tmp, _hash_path(path))
+    os.replace(out, path)
+
+
+def build() -> str:
+  """Compiles the kernel unless a valid build is cached; returns the shared library's path.
+
+  A cached library is returned only when it passes the checks in the module docstring;
+  otherwise it is deleted and rebuilt.
+  """
+  path = library_path()
+  directory = _private_dir(os.path.dirname(path))
+  if directory is None:
+    directory = tempfile.mkdtemp(prefix='speclm_kernels_')  # 0700, ours, for this process
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    logging.warning('cpu_matmul: the kernel cache %s is not a private directory of this user;'
+                    ' building the kernel in %s for this process instead.',
+                    os.path.dirname(path), directory)
+    path = os.path.join(directory, os.path.basename(path))
+  with _locked(directory):
+    reason = _invalid(path)
+    if reason is None:
+      return path
+    if os.path.lexists(path) or os.path.lexists(_hash_path(path)):
+      quiet = reason in ('not built yet', 'no recorded SHA-256')  # an interrupted or older build
+      log = logging.info if quiet else logging.warning
+      log('cpu_matmul: not loading the cached kernel %s: %s; rebuilding it.', path, reason)
+      _discard(path)
+    _compile(path)
   return path
 
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-  """Whether the kernel is built and registered (builds it on first call)."""
+  """Whether the kernel is built and registered (builds it on first call). Never raises: any
+  failure logs one warning and leaves XLA's products in use."""
   if jax.default_backend() != 'cpu':
     logging.info('cpu_matmul: the default backend is %s; using XLA products.',
                  jax.default_backend())
     return False
+  path = None
   try:
-    library = ctypes.cdll.LoadLibrary(build())
-  except (OSError, RuntimeError) as e:
-    logging.warning('cpu_matmul: kernel unavailable, using XLA products (%s)', e)
+    path = build()
+    library = ctypes.CDLL(path)
+    functions = [(name, getattr(library, symbol)) for name, symbol in _TARGETS.values()]
+    for name, function in functions:
+      jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform='cpu')
+  except Exception as e:  # pylint: disable=broad-except
+    if isinstance(e, AttributeError) and path is not None:
+      try:
+        _discard(path)  # a build without the kernel: the next run compiles it again
+      except OSError:
+        pass
+    message = ' '.join(f'{type(e).__name__}: {e}'.split())[:1500]
+    logging.warning('cpu_matmul: kernel unavailable, using XLA products (%s)', message)
     return False
-  for name, symbol in _TARGETS.values():
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)),
-                                platform='cpu')
   return True
 
 

@@ -79,6 +79,10 @@ class EagleDraft(protocol.FeatureConditionedDraft):
     return self.config.embed_dim
 
   @property
+  def max_context_length(self) -> int | None:
+    return self.config.max_position_embeddings
+
+  @property
   def module(self) -> EagleModule:
     return EagleModule(self.config)
 

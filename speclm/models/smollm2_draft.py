@@ -34,13 +34,16 @@ EAGLE_FILE = 'eagle.safetensors'
 
 def draft_config(target_config: llama.LlamaConfig, num_layers: int, subset_size: int,
                  dtype: str = 'float32') -> llama.LlamaConfig:
-  """The draft's inner Llama: the target's width and heads, fewer layers, S+1 ids, tied head."""
+  """The draft's inner Llama: the target's width and heads, fewer layers, S+1 ids, tied head,
+  and the target's context length."""
   return llama.LlamaConfig(
       vocab_size=subset_size + 1, num_layers=num_layers, embed_dim=target_config.embed_dim,
       num_heads=target_config.num_heads, num_kv_heads=target_config.num_kv_heads,
       head_dim=target_config.head_dim, mlp_dim=target_config.mlp_dim,
       rope_theta=target_config.rope_theta, rope_scaling=target_config.rope_scaling,
-      norm_eps=target_config.norm_eps, tie_embeddings=True, param_dtype=dtype, dtype=dtype)
+      norm_eps=target_config.norm_eps, tie_embeddings=True,
+      max_position_embeddings=target_config.max_position_embeddings, param_dtype=dtype,
+      dtype=dtype)
 
 
 def subset_embedding(target: protocol.Model, subset_ids, other_embedding) -> jax.Array:
@@ -99,7 +102,10 @@ def read(path: str | None = None) -> tuple[dict[str, Any], np.ndarray, dict[str,
     subset_ids = f.get_tensor('subset_ids')
     flat = {name: f.get_tensor(name).view(jnp.bfloat16).astype(np.float32)
             for name in f.keys() if name != 'subset_ids'}
-  return layers.unflatten(flat, sep='.'), subset_ids, metadata
+  trained = layers.unflatten(flat, sep='.')
+  from speclm.checkpoints import validate  # pylint: disable=import-outside-toplevel
+  validate.check_finite(trained, path, error=ValueError)
+  return trained, subset_ids, metadata
 
 
 def load(target: protocol.Model, path: str | None = None,

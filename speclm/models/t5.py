@@ -469,6 +469,11 @@ class T5(protocol.LanguageModel):
   def module(self) -> T5Module:
     return T5Module(self.config)
 
+  @property
+  def max_context_length(self) -> None:
+    """None: T5's positions are relative (bucketed), so no length is built into the model."""
+    return None
+
   def init_params(self, rng: jax.Array) -> dict:
     """Random parameters (compiled once per config, so repeated calls are cheap)."""
     return _init_jit(self, rng)
