@@ -12,6 +12,7 @@ CORE = [
     'safetensors',  # Hugging Face checkpoints, shipped drafts
     'tensorstore',  # T5X zarr arrays, local or gs://
     'sentencepiece',  # T5 vocabularies
+    'tqdm',  # progress bar
 ]
 HF = ['torch==2.13.0', 'transformers', 'accelerate', 'sentencepiece', 'tokenizers']
 GGUF = ['gguf', 'tokenizers', 'jinja2']

@@ -50,8 +50,8 @@ from speclm.analysis.benchmarking import ratio
 from speclm.checkpoints import gguf
 from speclm.data import builtin_prompts
 from speclm.models import lookup
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Interleaved repetitions of every case.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per row.')

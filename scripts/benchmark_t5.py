@@ -47,6 +47,7 @@ from absl import flags
 
 import speclm
 from speclm import protocol
+from speclm import trees
 from speclm.analysis import benchmarking
 from speclm.analysis import measure
 from speclm.analysis import theory
@@ -90,11 +91,17 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def size_config(size: str) -> t5.T5Config:
   """The float32 `T5Config` of a T5 1.1 size, read from `configs/models/t5_1_1/{size}.gin`."""
+  # speclm.models.t5 imports no gin: register T5Config under the name the gin files use, as
+  # the job layer does (registering the same class again is allowed).
+  try:
+    config_class = gin.get_configurable('speclm.models.t5.T5Config')
+  except ValueError:
+    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
   gin.clear_config()
   try:
     gin.parse_config_file(os.path.join(_CONFIG_DIR, f'{size}.gin'))
     with gin.config_scope(f't5_1_1_{size}'):
-      config = t5.T5Config()
+      config = config_class()
   finally:
     gin.clear_config()
   return dataclasses.replace(config, dtype='float32', param_dtype='float32')
@@ -188,7 +195,7 @@ def bytes_per_decoder_step(model: protocol.Model, batch_size: int, decoded: int,
   runs once per generation and is not counted."""
   config = model.definition.config
   total = 0
-  for name, leaf in t5.flatten_names(model.params).items():
+  for name, leaf in trees.flatten(model.params).items():
     itemsize = np.dtype(leaf.dtype).itemsize
     if name.startswith('decoder/'):
       total += int(np.prod(leaf.shape)) * itemsize

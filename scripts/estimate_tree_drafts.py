@@ -36,8 +36,8 @@ import speclm
 from speclm.analysis import measure
 from speclm.data import builtin_prompts
 from speclm.models import lookup
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Greedy reply tokens per prompt.')
 _MIN_NGRAM = flags.DEFINE_integer('lookup_min_ngram', 2, 'Lookup first where this many tokens'

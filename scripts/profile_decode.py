@@ -27,8 +27,8 @@ from absl import flags
 import speclm
 from speclm.data import builtin_prompts
 from speclm.models import llama
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 
 _MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative'], 'Loop profiled.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
@@ -100,7 +100,7 @@ def main(argv):
     print(f'{micros / 1e3 / calls:10.2f} {count[name] / calls:12.1f}  {name}')
   print(f'trace: {trace_dir}')
   if result.stats.beta_count:
-    print(f'α = {float(result.stats.beta_sum) / float(result.stats.beta_count):.3f}')
+    print(f'α = {result.stats.alpha:.3f}')
 
 
 

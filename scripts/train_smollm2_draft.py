@@ -53,8 +53,8 @@ from absl import logging
 import speclm
 from speclm.data import builtin_prompts
 from speclm.models import llama
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 from speclm.models import subset_vocab
 
 _WORK_DIR = flags.DEFINE_string('work_dir', None, 'Where generated data is kept.', required=True)

@@ -37,8 +37,8 @@ from absl import logging
 import speclm
 from speclm.data import builtin_prompts
 from speclm.models import eagle
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 
 _WORK_DIR = flags.DEFINE_list('work_dir', None,
                               'Where the generated data is (one or more directories; features'

@@ -10,18 +10,25 @@ Models are seen only through `speclm.protocol` (this module imports no model cod
 Bookkeeping (both loops). A row's sequence is s_0 … s_{C−1}: the prefix that `prefill`
 consumed (prompt, or decoder start token) followed by the generated tokens. The newest token
 s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C−1 positions.
+  * Start: each loop prefills its models (a feature-conditioned draft with the target's prompt
+    features, `_prefill_feature_draft`), then `_start` draws s_{C−1}, the first new token,
+    from the target's prefill p̃ and builds the loop state.
   * Baseline step: extend the target with [pending] -> p̃ -> sample the next pending token.
-  * Speculative round (Algorithm 1):
-      1. draft: roll its cache back to C−2 positions and extend with [s_{C−2}, s_{C−1}] (the
-         re-fed s_{C−2} is what lets the draft catch up after a round where all γ were kept,
-         without a branch); then γ−1 single-token steps. γ draft calls give q̃_1…q̃_γ, x_1…x_γ.
-         A `protocol.FeatureConditionedDraft` (EAGLE-style) also gets the target's features
-         of positions C−3 and C−2 with that re-feed, and its own predicted ones after it.
-      2. target: one extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1} (and its features
-         of those positions for a feature-conditioned draft).
-      3. `speculative.speculative_round` -> n accepted and one more token t.
-      4. the target cache keeps C−1+n+1 positions (rollback = lowering a length); x_1…x_n, t
-         are appended and t becomes pending.
+  * Speculative round (Algorithm 1), one `round_` of `_speculative_loop`:
+      1. draft (`_draft_tokens`): roll its cache back to C−2 positions and extend with
+         [s_{C−2}, s_{C−1}] (the re-fed s_{C−2} is what lets the draft catch up after a round
+         where all γ were kept, without a branch); then γ−1 single-token steps. γ draft calls
+         give q̃_1…q̃_γ, x_1…x_γ. A `protocol.FeatureConditionedDraft` (EAGLE-style) also gets
+         the target's features of positions C−3 and C−2 with that re-feed, and its own
+         predicted ones after it.
+      2. verify (`_verify`): one target extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1}
+         (and its features of those positions for a feature-conditioned draft).
+      3. accept (`speculative.speculative_round`) -> n accepted and one more token t.
+      4. append: the target cache keeps C−1+n+1 positions (rollback = lowering a length);
+         x_1…x_n, t are appended and t becomes pending.
+    Two bookkeeping helpers finish the round: `_count_round` adds it to the statistics (β sums
+    and counts, the acceptance histogram, call counts) and `_hand_off_features` gives a
+    feature-conditioned draft the target's features for the next round's re-feed.
 
 Shape letters: B batch, P prompt length, T output buffer, G γ, V vocabulary.
 """
@@ -80,7 +87,11 @@ class DecodeStats:
 
   @property
   def alpha(self) -> float:
-    """Measured α = E[β] (NaN when nothing was drafted)."""
+    """Measured α = E[β] = beta_sum / beta_count (Corollary 3.6; NaN when nothing was drafted).
+
+    β is the exact acceptance probability at every drafted position the committed sequences
+    reached, so this α has no sampling noise from the accept/reject coin flips.
+    """
     count = int(self.beta_count)
     return float(self.beta_sum) / count if count else float('nan')
 
@@ -362,20 +373,16 @@ def _bad(logits: jax.Array) -> jax.Array:
   return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=tuple(range(1, logits.ndim)))
 
 
-def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
-           buffer_length, capacity, draft_cache, gamma, with_features=False):
-  """Prefills the target and draws the first token from its p̃ (shared by both loops).
+def _start(target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, gamma,
+           *, logits, target_cache, draft_cache=None, draft_features=None) -> _LoopState:
+  """The state after prefill: draws the first token from the target's p̃ (both loops).
 
-  A row whose prefill logits are bad stops with BAD_LOGITS and no token. Returns the state,
-  and with `with_features` also the target's features `[B, P, D]`.
+  `logits` `[B, V]` and `target_cache` are what the target's `prefill` returned (counted here as
+  one target call); the speculative loop also passes its prefilled draft cache and, for a
+  feature-conditioned draft, the first round's `draft_features`. A row whose prefill logits
+  are bad stops with BAD_LOGITS and no token.
   """
   batch = prompts.shape[0]
-  cache = target_def.init_cache(batch, capacity)
-  if with_features:
-    logits, features, cache = target_def.prefill_with_features(target_params, prompts, lengths,
-                                                               cache)
-  else:
-    logits, cache = target_def.prefill(target_params, prompts, lengths, cache)
   rng, first_key = jax.random.split(rng)
   first = sampling_lib.sample(first_key, sampling_lib.standardize(logits, sampling))
   stats = DecodeStats.zeros(batch, gamma)
@@ -388,12 +395,12 @@ def _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sam
       pending_token=first,
       stop_reasons=jnp.where(_bad(logits), StopReason.BAD_LOGITS,
                              StopReason.RUNNING).astype(jnp.int32),
-      target_cache=cache, draft_cache=draft_cache, rng=rng, stats=stats)
+      target_cache=target_cache, draft_cache=draft_cache, rng=rng, stats=stats,
+      draft_features=draft_features)
   # `_append` writes to running rows only: a row stopped for bad logits keeps 0 tokens.
   tokens, num_generated, reasons = _append(state, first[:, None], jnp.ones((batch,), jnp.int32),
                                            limits, eos_id)
-  state = state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
-  return (state, features) if with_features else state
+  return state.replace(tokens=tokens, num_generated=num_generated, stop_reasons=reasons)
 
 
 def _finish(state: _LoopState, pad_id) -> DecodeResult:
@@ -411,8 +418,10 @@ def _stop_if_full(reasons, lengths, needed: int, capacity: int) -> jax.Array:
 
 def _autoregressive_loop(model_def, params, prompts, lengths, limits, rng, eos_id, pad_id, *,
                          sampling, buffer_length, capacity) -> DecodeResult:
-  state = _start(model_def, params, prompts, lengths, limits, rng, eos_id, sampling,
-                 buffer_length, capacity, draft_cache=None, gamma=0)
+  cache = model_def.init_cache(prompts.shape[0], capacity)
+  logits, cache = model_def.prefill(params, prompts, lengths, cache)
+  state = _start(model_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length,
+                 gamma=0, logits=logits, target_cache=cache)
 
   def step(state: _LoopState) -> _LoopState:
     reasons = _stop_if_full(state.stop_reasons, model_def.cache_lengths(state.target_cache), 1,
@@ -440,9 +449,26 @@ def _autoregressive_loop(model_def, params, prompts, lengths, limits, rng, eos_i
   return _finish(state, pad_id)
 
 
+def _prefill_feature_draft(draft_def, draft_params, prompts, lengths, features, cache):
+  """Prefills a `FeatureConditionedDraft` with the target's prompt features `[B, P, D]`.
+
+  Returns the draft's cache and the first round's `draft_features` `[B, 2, D]`: the target's
+  features before prev_token (the prompt's last, position P−1) and before pending_token (the
+  first new token, position P).
+  """
+  # Feature k of the draft's input belongs to position k−1 (zeros before the first).
+  before = jnp.pad(features[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  cache = draft_def.prefill_with_features(draft_params, prompts, lengths, before, cache)
+  last = (lengths - 1)[:, None, None]
+  return cache, jnp.concatenate(
+      [jnp.take_along_axis(before, last, axis=1), jnp.take_along_axis(features, last, axis=1)],
+      axis=1)
+
+
 def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
                   rng):
-  """Phase 1 of Algorithm 1: γ draft calls -> (q̃ `[B, G, V]`, x `[B, G]`, draft cache)."""
+  """Step 1 of a round: γ draft calls -> (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows
+  with bad draft logits)."""
   keys = jax.random.split(rng, gamma)
 
   def extend(tokens, features, cache):
@@ -478,33 +504,87 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
   return draft_probs, draft_tokens, cache, bad
 
 
+def _verify(target_def, target_params, state: _LoopState, drafted, with_features: bool):
+  """Step 2 of a round: one target call on [s_{C−1}, x_1, …, x_γ] (K = γ+1).
+
+  Returns the logits `[B, K, V]` of p̃_1 … p̃_{γ+1}, the target's features `[B, K, D]` of those
+  positions for a feature-conditioned draft (None otherwise), and the target's cache.
+  """
+  verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
+  if with_features:
+    return target_def.extend_with_features(target_params, verified, state.target_cache)
+  logits, cache = target_def.extend(target_params, verified, state.target_cache)
+  return logits, None, cache
+
+
+def _hand_off_features(draft_features, features, n, good) -> jax.Array:
+  """The EAGLE feature hand-off: the next round's `draft_features` `[B, 2, D]`.
+
+  `features` `[B, K, D]` are the target's features of the verified positions C−1 … C−1+γ.
+  The new prev and pending tokens sit at C−1+n and C+n, so the features before them are those
+  of positions C−1+n−1 and C−1+n. When n = 0 the new prev is the old pending token, whose
+  feature (`draft_features[:, 1]`) is already known. Rows that are not `good` (stopped, or
+  discarded for bad logits) keep theirs.
+  """
+  def feature_at(i):
+    return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
+  before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
+                          draft_features[:, 1])
+  return jnp.where(good[:, None, None], jnp.stack([before_prev, feature_at(n)], axis=1),
+                   draft_features)
+
+
+def _count_round(stats: DecodeStats, result: speculative.RoundResult, active,
+                 good) -> DecodeStats:
+  """Adds one speculative round to the statistics (one target call, γ draft calls).
+
+  β = Σ_x min(p̃, q̃) (Theorem 3.5) counts at drafted positions 1 … min(n+1, γ), the ones the
+  committed sequence reached: position i counts if the first i−1 drafts were accepted, so the
+  mean of β is α (Corollary 3.6). `active` rows count the target call; only `good` rows (active
+  and without bad logits) count their n and β — a round discarded for bad logits counts as a
+  target call, nothing else.
+  """
+  gamma = result.beta.shape[1]
+  n = result.num_accepted
+  reached = (jnp.arange(gamma)[None, :] <= n[:, None]) & good[:, None]
+  beta_row = jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1)
+  count_row = jnp.sum(reached, axis=1).astype(jnp.int32)
+  return stats.replace(
+      target_calls=stats.target_calls + 1, draft_calls=stats.draft_calls + gamma,
+      target_calls_per_row=stats.target_calls_per_row + active,
+      accepted_per_row=stats.accepted_per_row + jnp.where(good, n, 0),
+      accepted_histogram=stats.accepted_histogram + jnp.sum(
+          jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * good[:, None], axis=0),
+      beta_sum=stats.beta_sum + jnp.sum(beta_row),
+      beta_count=stats.beta_count + jnp.sum(count_row),
+      beta_sum_per_row=stats.beta_sum_per_row + beta_row,
+      beta_count_per_row=stats.beta_count_per_row + count_row)
+
+
 def _speculative_loop(target_def, draft_def, target_params, draft_params, prompts, lengths,
                       limits, rng, eos_id, pad_id, *, gamma, sampling, buffer_length,
                       target_capacity, draft_capacity) -> DecodeResult:
   batch = prompts.shape[0]
+  # Prefill both models; a feature-conditioned draft reads the target's prompt features.
   draft_cache = draft_def.init_cache(batch, draft_capacity)
+  target_cache = target_def.init_cache(batch, target_capacity)
   with_features = isinstance(draft_def, protocol.FeatureConditionedDraft)
   if with_features:
-    state, features = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id,
-                             sampling, buffer_length, target_capacity, None, gamma,
-                             with_features=True)
-    # Feature k of the draft's input belongs to position k−1 (zeros before the first).
-    before = jnp.pad(features[:, :-1], ((0, 0), (1, 0), (0, 0)))
-    draft_cache = draft_def.prefill_with_features(draft_params, prompts, lengths, before,
-                                                  draft_cache)
-    # prev_token is the prompt's last (position P−1), pending the first new one (position P).
-    last = (lengths - 1)[:, None, None]
-    state = state.replace(draft_features=jnp.concatenate(
-        [jnp.take_along_axis(before, last, axis=1), jnp.take_along_axis(features, last, axis=1)],
-        axis=1))
+    logits, features, target_cache = target_def.prefill_with_features(
+        target_params, prompts, lengths, target_cache)
+    draft_cache, draft_features = _prefill_feature_draft(draft_def, draft_params, prompts,
+                                                         lengths, features, draft_cache)
   else:
     _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
-    state = _start(target_def, target_params, prompts, lengths, limits, rng, eos_id, sampling,
-                   buffer_length, target_capacity, None, gamma)
-  state = state.replace(draft_cache=draft_cache,
-                        stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+    logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
+    draft_features = None
+  state = _start(target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length,
+                 gamma, logits=logits, target_cache=target_cache, draft_cache=draft_cache,
+                 draft_features=draft_features)
+  state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
 
   def round_(state: _LoopState) -> _LoopState:
+    """One round of Algorithm 1 for every row: draft, verify, accept, append."""
     target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
     # The target writes γ+1 positions after C−1; the draft γ+1 after C−2.
     reasons = _stop_if_full(state.stop_reasons, target_lengths, gamma + 1,
@@ -515,69 +595,42 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     active = state.active
     rng, draft_key, uniform_key, next_key = jax.random.split(state.rng, 4)
 
-    # 1. γ guesses from the draft.
+    # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ.
     draft_probs, drafted, draft_cache, draft_bad = _draft_tokens(
         draft_def, draft_params, state, target_lengths, gamma, sampling, draft_key)
-    # 2. One parallel target call on [s_{C−1}, x_1, …, x_γ] gives p̃_1 … p̃_{γ+1}.
-    verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
-    if with_features:
-      logits, features, target_cache = target_def.extend_with_features(
-          target_params, verified, state.target_cache)
-    else:
-      logits, target_cache = target_def.extend(target_params, verified, state.target_cache)
+    # 2. Verify: one parallel target call on [s_{C−1}, x_1, …, x_γ] gives p̃_1 … p̃_{γ+1}.
+    logits, features, target_cache = _verify(target_def, target_params, state, drafted,
+                                             with_features)
     target_probs = sampling_lib.standardize(logits, sampling)
-    # 3. Accept n of the guesses and draw one more token.
+    # 3. Accept n of the guesses (r < p̃(x)/q̃(x)) and draw one more token t (Algorithm 1).
     uniforms = jax.random.uniform(uniform_key, (batch, gamma))
     result = speculative.speculative_round(draft_probs, drafted, target_probs, uniforms, next_key)
     n = result.num_accepted
-    # 4. Keep C−1+n+1 target positions; append x_1 … x_n, t.
+    # 4. Keep C−1+n+1 target positions (rollback = a smaller length); append x_1 … x_n, t.
+    # A row with bad logits anywhere in the round (the target's γ+1 or the draft's) stops
+    # first and appends nothing from it: n and t were computed from those logits.
     target_cache = target_def.rollback(
         target_cache, jnp.where(active, target_lengths + n + 1, target_lengths))
     offsets = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafted, drafted[:, -1:]], axis=1)
     new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
-    # A row with bad logits anywhere in the round (the target's γ+1 or the draft's) stops
-    # first and appends nothing from it: n and t were computed from those logits.
     bad = active & (_bad(logits) | draft_bad)
     good = active & ~bad
     tokens, num_generated, reasons = _append(
         state.replace(stop_reasons=jnp.where(bad, StopReason.BAD_LOGITS, state.stop_reasons)),
         new_tokens, n + 1, limits, eos_id)
-    # The token before the new pending one: x_n, or the old pending token when n = 0.
+    # t becomes pending; the token before it is x_n, or the old pending token when n = 0.
     prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
                                                 axis=1)[:, 0], state.pending_token)
-    draft_features = state.draft_features
-    if with_features:
-      # The features of positions C−1+n−1 and C−1+n come before the new prev and pending
-      # tokens; when n = 0, prev is the old pending token, whose feature is already known.
-      def feature_at(i):
-        return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
-      before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
-                              draft_features[:, 1])
-      draft_features = jnp.where(good[:, None, None],
-                                 jnp.stack([before_prev, feature_at(n)], axis=1), draft_features)
 
-    # Statistics: β counts at positions 1 … min(n+1, γ), the ones the sequence reached. A
-    # round discarded for bad logits counts as a target call, nothing else.
-    reached = (offsets[:, :gamma] <= n[:, None]) & good[:, None]
-    beta_row = jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1)
-    count_row = jnp.sum(reached, axis=1).astype(jnp.int32)
-    s = state.stats
-    stats = s.replace(
-        target_calls=s.target_calls + 1, draft_calls=s.draft_calls + gamma,
-        target_calls_per_row=s.target_calls_per_row + active,
-        accepted_per_row=s.accepted_per_row + jnp.where(good, n, 0),
-        accepted_histogram=s.accepted_histogram + jnp.sum(
-            jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * good[:, None], axis=0),
-        beta_sum=s.beta_sum + jnp.sum(beta_row), beta_count=s.beta_count + jnp.sum(count_row),
-        beta_sum_per_row=s.beta_sum_per_row + beta_row,
-        beta_count_per_row=s.beta_count_per_row + count_row)
     return state.replace(
         tokens=tokens, num_generated=num_generated,
         prev_token=jnp.where(good, prev, state.prev_token),
         pending_token=jnp.where(good, result.next_token, state.pending_token),
         stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
-        stats=stats, draft_features=draft_features)
+        stats=_count_round(state.stats, result, active, good),
+        draft_features=(_hand_off_features(state.draft_features, features, n, good)
+                        if with_features else None))
 
   state = jax.lax.while_loop(lambda s: jnp.any(s.active), round_, state)
   return _finish(state, pad_id)

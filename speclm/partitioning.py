@@ -37,7 +37,6 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-import gin
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
@@ -84,14 +83,12 @@ def _as_rules(rules) -> Rules:
   return tuple(out)
 
 
-@gin.configurable
 def standard_logical_axis_rules(additional_rules: Sequence[tuple[str, str | None]] = ()
                                 ) -> Rules:
   """T5X's standard rules, with `additional_rules` first (so they override a standard one)."""
   return _as_rules(tuple(additional_rules) + STANDARD_RULES)
 
 
-@gin.configurable
 def replicated_logical_axis_rules() -> Rules:
   """Parameters replicated, batch split over 'data' (the draft's default)."""
   return REPLICATED_RULES
@@ -101,7 +98,6 @@ def replicated_logical_axis_rules() -> Rules:
 # Multi-host start-up
 
 
-@gin.configurable
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None,
@@ -207,7 +203,6 @@ def _tree_axes(method: str, definition: protocol.LanguageModel, *args):
 # The Partitioner
 
 
-@gin.configurable
 class Partitioner:
   """A mesh plus logical axis rules for the target and the draft; compiles with shardings.
 

@@ -1,10 +1,11 @@
-"""A dependency-free progress bar (rate and ETA) and the end-of-job summary table."""
+"""The decoding progress bar (tqdm: rate, ETA, tokens/s) and the end-of-job summary table."""
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Sequence, TextIO
+
+import tqdm
 
 
 def format_duration(seconds: float) -> str:
@@ -16,65 +17,89 @@ def format_duration(seconds: float) -> str:
   return f'{hours}:{minutes:02d}:{secs:02d}' if hours else f'{minutes:02d}:{secs:02d}'
 
 
-class Progress:
-  """Examples done out of a total, with examples/s, tokens/s and an ETA.
+def _interactive(stream) -> bool:
+  """A terminal, or a Jupyter kernel's output (which also redraws a line on '\\r')."""
+  if hasattr(stream, 'isatty') and stream.isatty():
+    return True
+  if stream not in (sys.stdout, sys.stderr) or 'ipykernel' not in sys.modules:
+    return False
+  try:
+    return 'IPKernelApp' in sys.modules['IPython'].get_ipython().config
+  except Exception:  # pylint: disable=broad-except
+    return False
 
-  On a terminal the bar redraws in place; otherwise (logs, CI) it prints a line at most every
-  `log_every_s` seconds and at the end. Examples already done before a resume count in the
-  total but not in the rate.
+
+class _LineTqdm(tqdm.tqdm):
+  """tqdm that prints each refresh as a whole line, for logs and CI (no '\\r' redraws)."""
+
+  _line_n = None  # the count shown by the last printed line
+
+  def display(self, msg=None, pos=None):
+    del pos
+    msg = self.__str__() if msg is None else msg
+    if not msg:  # tqdm clearing the bar: nothing to clear in a log
+      return False
+    self.fp.write(msg + '\n')
+    self.fp.flush()
+    self._line_n = self.n
+    return True
+
+  def close(self):
+    if self.disable:
+      return
+    if self._line_n != self.n:
+      self.refresh()  # a last line with the final count, unless it is already printed
+    self.leave = False  # tqdm's own final redraw would repeat that line
+    super().close()
+
+
+class Progress:
+  """Examples done out of a total, with examples/s, tokens/s and an ETA (a tqdm bar).
+
+  On a terminal (or in a notebook) the bar redraws in place; otherwise (logs, CI) it prints a
+  line at most every `log_every_s` seconds, when the total is reached and at `close()`.
+  Examples already done before a resume (`initial`) count in the total but not in the rate.
   """
 
   def __init__(self, total: int, *, initial: int = 0, label: str = 'decoding',
                stream: TextIO | None = None, log_every_s: float = 10.0, width: int = 28,
                enabled: bool = True):
     self.total = total
-    self.done = initial
-    self._initial = initial
-    self.tokens = 0
     self.label = label
     self.stream = stream or sys.stderr
     self.enabled = enabled
-    self._tty = hasattr(self.stream, 'isatty') and self.stream.isatty()
-    self._log_every_s = log_every_s
-    self._width = width
-    self._start = time.perf_counter()
-    self._last_print = -float('inf')
+    self.done = initial
+    self.tokens = 0
+    self._tty = _interactive(self.stream)
+    cls = tqdm.tqdm if self._tty else _LineTqdm
+    self._bar = cls(
+        total=total, initial=initial, desc=label, unit='ex', file=self.stream,
+        postfix='0.0 tok/s', disable=not enabled, leave=True, dynamic_ncols=False, position=0,
+        bar_format=('{l_bar}{bar:%d}| {n_fmt}/{total_fmt} [{elapsed}<{remaining},'
+                    ' {rate_noinv_fmt}{postfix}]' % width),
+        # On a terminal redraw often; in a log, at most a line every log_every_s seconds.
+        # `miniters=1` checks the clock at every update (tqdm would otherwise adapt it).
+        mininterval=0.1 if self._tty else log_every_s, miniters=1,
+        # Logs: plain ASCII and the average rate since the start, not a moving average.
+        ascii=None if self._tty else True, smoothing=0.3 if self._tty else 0.0)
 
-  def update(self, examples: int, tokens: int = 0) -> None:
-    self.done += examples
-    self.tokens += tokens
-    now = time.perf_counter()
-    if self._tty or now - self._last_print >= self._log_every_s or self.done >= self.total:
-      self._print(now)
+  def _set_postfix(self) -> None:
+    elapsed = self._bar.format_dict['elapsed'] if self.enabled else 0.0
+    rate = self.tokens / elapsed if elapsed > 0 else 0.0
+    self._bar.set_postfix_str(f'{rate:.1f} tok/s', refresh=False)
 
-  def line(self, now: float | None = None) -> str:
-    now = time.perf_counter() if now is None else now
-    elapsed = max(now - self._start, 1e-9)
-    new = self.done - self._initial
-    rate = new / elapsed
-    remaining = self.total - self.done
-    eta = remaining / rate if rate > 0 else float('nan')
-    fraction = self.done / self.total if self.total else 1.0
-    filled = int(round(fraction * self._width))
-    bar = '#' * filled + '.' * (self._width - filled)
-    return (f'{self.label} [{bar}] {self.done}/{self.total} ex  {rate:.2f} ex/s'
-            f'  {self.tokens / elapsed:.1f} tok/s  elapsed {format_duration(elapsed)}'
-            f'  ETA {format_duration(eta if remaining else 0)}')
-
-  def _print(self, now: float) -> None:
-    self._last_print = now
-    if not self.enabled:
-      return
-    if self._tty:
-      self.stream.write('\r' + self.line(now))
-    else:
-      self.stream.write(self.line(now) + '\n')
-    self.stream.flush()
+  def update(self, n_examples: int, n_tokens: int = 0) -> None:
+    self.done += n_examples
+    self.tokens += n_tokens
+    self._set_postfix()
+    printed = self._bar.update(n_examples)
+    if (not printed and not self._tty and self.enabled and self.done >= self.total
+        and self._bar._line_n != self.done):  # pylint: disable=protected-access
+      self._bar.refresh()  # logs always get the line that says it is finished
 
   def close(self) -> None:
-    if self.enabled and self._tty:
-      self.stream.write('\n')
-      self.stream.flush()
+    self._set_postfix()
+    self._bar.close()
 
 
 def table(rows: Sequence[tuple[str, str]], title: str = '') -> str:

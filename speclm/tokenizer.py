@@ -4,15 +4,17 @@ A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` (the Rust library) wit
 decode loops need: token ids for a batch of prompts (right-padded `[B, P]` plus lengths), the
 end-of-sequence id, and decoding of `DecodeResult`s back to text. It is built either
 
-* from a GGUF file's metadata (`tokenizer.ggml.*`: byte-level BPE vocabulary, merges, token
-  types, special ids, the pre-tokenizer name, and `tokenizer.chat_template`), or
-* from a Hugging Face directory (`tokenizer.json`, optionally `tokenizer_config.json`).
+* from a Hugging Face directory (`Tokenizer.from_pretrained_dir`: `tokenizer.json`, optionally
+  `tokenizer_config.json`), or
+* from a byte-level BPE vocabulary and merges (`byte_level_bpe`), as a GGUF file's metadata
+  holds them: `speclm.checkpoints.gguf.load_tokenizer(path)` reads those (this module reads
+  no checkpoint files).
 
 Chat templates are Jinja programs stored with the model; `render_chat` runs them in a
 sandboxed `jinja2` environment with the settings transformers uses (trim_blocks,
 lstrip_blocks), so the prompt text is the one the model was tuned on.
 
-    tok = Tokenizer.from_gguf(path)
+    tok = gguf.load_tokenizer(path)        # speclm.checkpoints.gguf
     prompts, lengths = tok.batch([tok.encode_chat('What is 2 + 2?'), tok.encode('Once upon')])
     result = speclm.autoregressive_decode(model, prompts, lengths, eos_id=tok.eos_id)
     print(tok.decode_result(result))
@@ -29,15 +31,12 @@ import numpy as np
 
 _SETUP_HINT = 'Install it with `pip install tokenizers jinja2` (speclm extra: `speclm[hf]`).'
 
-# GGUF token types (llama.cpp's llama_token_type).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
 # GPT-2's split of text into words, numbers, punctuation runs and whitespace.
 _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 # Llama 3's split (numbers in groups of up to three digits, case-insensitive contractions).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# GGUF `tokenizer.ggml.pre` names by pre-tokenization, as llama.cpp groups them.
+# Pre-tokenization names (llama.cpp's, GGUF's `tokenizer.ggml.pre`), grouped as llama.cpp does.
 _DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact', 'command-r', 'codeshell', 'exaone',
                     'minerva')
 _GPT2_PRE = ('gpt2', 'default', 'mpt', 'olmo', 'jais', 'gpt-2')
@@ -158,34 +157,6 @@ class Tokenizer:
   # --- constructors -----------------------------------------------------------------------------
 
   @classmethod
-  def from_gguf(cls, source) -> 'Tokenizer':
-    """From a GGUF file's metadata; `source` is a path or a `speclm.checkpoints.gguf.GGUFFile`."""
-    from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-    file = source if isinstance(source, gguf.GGUFFile) else gguf.open_gguf(source)
-    md = file.metadata
-    model = md.get('tokenizer.ggml.model')
-    if model is None:
-      raise ValueError(f'{file.path!r} carries no tokenizer (no tokenizer.ggml.model key).')
-    if model != 'gpt2':
-      raise ValueError(f'{file.path!r} has a {model!r} tokenizer; speclm builds byte-level BPE'
-                       ' ("gpt2") tokenizers from GGUF. Load the model\'s tokenizer.json instead'
-                       ' (Tokenizer.from_tokenizer_json).')
-    tokens = file.array('tokenizer.ggml.tokens')
-    merges = file.array('tokenizer.ggml.merges') or []
-    types = file.array('tokenizer.ggml.token_type') or [_NORMAL] * len(tokens)
-    backend = _byte_level_bpe(tokens, merges, types, md.get('tokenizer.ggml.pre', 'default'),
-                              file.path)
-
-    def special(key):
-      value = md.get(f'tokenizer.ggml.{key}_token_id')
-      return None if value is None else int(value)
-
-    return cls(backend, bos_id=special('bos'), eos_id=special('eos'),
-               pad_id=special('padding'), add_bos=bool(md.get('tokenizer.ggml.add_bos_token',
-                                                              False)),
-               chat_template=md.get('tokenizer.chat_template'))
-
-  @classmethod
   def from_tokenizer_json(cls, path: str | os.PathLike,
                           config: Mapping[str, Any] | None = None) -> 'Tokenizer':
     """From a `tokenizer.json` file, with special tokens and template from `config` (the
@@ -227,9 +198,21 @@ class Tokenizer:
     return cls.from_tokenizer_json(os.path.join(directory, 'tokenizer.json'), config)
 
 
-def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int],
-                    pre: str, path: str):
-  """A byte-level BPE `tokenizers.Tokenizer` from GGUF vocabulary arrays."""
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str = 'default', *,
+                   added_tokens: Sequence[tuple[str, bool]] = (), source: str = ''):
+  """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 style) from its vocabulary and merges.
+
+  Args:
+    tokens: the vocabulary; a token's id is its index.
+    merges: BPE merges as 'left right' strings, highest priority first.
+    pre: how text is split before BPE, by llama.cpp's name (GGUF `tokenizer.ggml.pre`):
+      'default'/'gpt2'/… (GPT-2's split), 'llama3'/'llama-bpe'/…, 'smollm'/'starcoder'/…
+      (every digit alone, then GPT-2's split). Unknown names are a ValueError.
+    added_tokens: (token, special) pairs matched whole before BPE (control and user-defined
+      tokens such as `<|im_start|>`); special ones are dropped by `decode(...,
+      skip_special_tokens=True)`.
+    source: where the vocabulary came from, for error messages.
+  """
   tokenizers = _tokenizers()
   from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
 
@@ -246,12 +229,12 @@ def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequenc
   elif pre in _LLAMA3_PRE:
     split = [pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior='isolated')]
   else:
-    raise ValueError(f'{path!r} asks for the pre-tokenizer {pre!r}, which speclm does not know;'
+    raise ValueError(f'{source!r} asks for the pre-tokenizer {pre!r}, which speclm does not know;'
                      f' known: {", ".join(_DIGIT_SPLIT_PRE + _GPT2_PRE + _LLAMA3_PRE)}.')
   backend.pre_tokenizer = pre_tokenizers.Sequence(split + [byte_level])
   backend.decoder = decoders.ByteLevel()
-  added = [tokenizers.AddedToken(token, special=(kind == _CONTROL), normalized=False)
-           for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
+  added = [tokenizers.AddedToken(token, special=special, normalized=False)
+           for token, special in added_tokens]
   if added:
     backend.add_tokens(added)
   return backend

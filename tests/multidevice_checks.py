@@ -21,6 +21,7 @@ sys.path.insert(0, REPO)
 
 from speclm import decoding  # pylint: disable=wrong-import-position
 from speclm import partitioning  # pylint: disable=wrong-import-position
+from speclm import trees  # pylint: disable=wrong-import-position
 from speclm.models import llama  # pylint: disable=wrong-import-position
 from speclm.models import t5  # pylint: disable=wrong-import-position
 
@@ -61,7 +62,7 @@ def _prompts():
 
 
 def _shard_shapes(tree, names):
-  flat = t5.flatten_names(tree)
+  flat = trees.flatten(tree)
   return {n: [list(flat[n].shape), [list(s.data.shape) for s in flat[n].addressable_shards][0],
               str(flat[n].sharding.spec)] for n in names}
 
@@ -113,7 +114,7 @@ def check_decode():
 
 
 def check_checkpoints():
-  from speclm.checkpoints import safetensors_io  # pylint: disable=g-import-not-at-top
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
   from speclm.checkpoints import sharded  # pylint: disable=g-import-not-at-top
   from speclm.checkpoints import t5x  # pylint: disable=g-import-not-at-top
   out = {}
@@ -126,12 +127,12 @@ def check_checkpoints():
   t5x.save_t5x_checkpoint(path, jax.device_get(model.params), step=1, zarr_min_bytes=512)
   log = []
   params = sharded.load_t5x_sharded(path, model.definition, partitioner, read_log=log)
-  flat_ref, flat_got = t5.flatten_names(model.params), t5.flatten_names(params)
+  flat_ref, flat_got = trees.flatten(model.params), trees.flatten(params)
   out['t5x_equal'] = all(np.array_equal(np.asarray(flat_got[n]), np.asarray(flat_ref[n]))
                          for n in flat_ref)
   out['t5x_shardings_match'] = all(
       flat_got[n].sharding.is_equivalent_to(s, flat_got[n].ndim) for n, s in
-      t5.flatten_names(partitioner.param_shardings(model.definition, model.params)).items())
+      trees.flatten(partitioner.param_shardings(model.definition, model.params)).items())
   out['t5x_reads'] = _read_summary(log, flat_got)
   out['t5x_zarr_arrays'] = sum(1 for p in os.listdir(path) if p.startswith('target.'))
 
@@ -139,15 +140,17 @@ def check_checkpoints():
   fixture = os.path.join(REPO, '..', 'shared', 'fixtures', 't5x', 'test_t5_tiny.checkpoint_0')
   if os.path.exists(fixture):
     import gin  # pylint: disable=g-import-not-at-top
+    # speclm.models.t5 imports no gin; register T5Config as the job layer does.
+    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
     gin.parse_config_files_and_bindings(
         [os.path.join(REPO, 'configs', 'models', 't5_1_1', 'tiny.gin')], [])
     with gin.config_scope('t5_1_1_tiny'):
-      definition = t5.T5(t5.T5Config())
+      definition = t5.T5(config_class())
     gin.clear_config()
     whole = t5x.load_t5x_checkpoint(fixture, expected=definition.param_shapes())
-    got = t5.flatten_names(sharded.load_t5x_sharded(fixture, definition, partitioner))
+    got = trees.flatten(sharded.load_t5x_sharded(fixture, definition, partitioner))
     out['fixture_equal'] = all(np.array_equal(np.asarray(got[n]), v)
-                               for n, v in t5.flatten_names(whole).items())
+                               for n, v in trees.flatten(whole).items())
     emb = got['token_embedder/embedding']
     out['fixture_embedding'] = [list(emb.shape), list(emb.addressable_shards[0].data.shape)]
 
@@ -171,18 +174,18 @@ def check_checkpoints():
   weights = {k: rng.standard_normal(s).astype(np.float32) for k, s in weights.items()}
   # Two shards, as save_pretrained writes large models.
   names = sorted(weights)
-  safetensors_io.save_file({k: weights[k] for k in names[::2]},
-                           os.path.join(hf_dir, 'model-00001-of-00002.safetensors'))
-  safetensors_io.save_file({k: weights[k] for k in names[1::2]},
-                           os.path.join(hf_dir, 'model-00002-of-00002.safetensors'))
+  st_numpy.save_file({k: weights[k] for k in names[::2]},
+                     os.path.join(hf_dir, 'model-00001-of-00002.safetensors'))
+  st_numpy.save_file({k: weights[k] for k in names[1::2]},
+                     os.path.join(hf_dir, 'model-00002-of-00002.safetensors'))
   with open(os.path.join(hf_dir, 'config.json'), 'w') as fh:
     json.dump({'model_type': 'llama', 'vocab_size': v, 'hidden_size': d,
                'num_hidden_layers': 2, 'num_attention_heads': n, 'num_key_value_heads': nkv,
                'head_dim': h, 'intermediate_size': f, 'tie_word_embeddings': False}, fh)
   log = []
   got_model = sharded.load_hf_llama_sharded(hf_dir, partitioner, read_log=log)
-  want = t5.flatten_names(hf_llama.params_from_hf(weights, cfg))
-  got = t5.flatten_names(got_model.params)
+  want = trees.flatten(hf_llama.params_from_hf(weights, cfg))
+  got = trees.flatten(got_model.params)
   out['hf_equal'] = all(np.array_equal(np.asarray(got[k]), want[k]) for k in want)
   out['hf_reads'] = _read_summary(log, got)
   return out

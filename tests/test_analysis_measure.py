@@ -288,7 +288,7 @@ def test_loop_alpha_agrees_with_corollary_3_6_when_sampling(llama_pair):
                                     batch_size=32)
   reference_rows = estimate.beta.mean(axis=1)
   stderr = np.hypot(loop_rows.std(ddof=1), reference_rows.std(ddof=1)) / np.sqrt(len(rows))
-  loop_alpha = measure.alpha_from_stats(spec.stats)
+  loop_alpha = spec.stats.alpha
   assert abs(loop_alpha - estimate.alpha) < 4 * stderr + 0.02
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from speclm import testing
 from speclm.data import builtin_prompts
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 
 pytestmark = pytest.mark.skipif(not smollm2.is_available(),
                                 reason=f'SmolLM2 is not installed: {smollm2.SETUP_COMMAND}')

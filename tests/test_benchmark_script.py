@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from speclm.models import smollm2
+from speclm.presets import smollm2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

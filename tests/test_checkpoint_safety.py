@@ -197,12 +197,18 @@ def test_sharded_reader_refuses_dotdot_paths(tmp_path, model):
 
 
 def _tiny_definition() -> t5.T5:
+  # speclm.models.t5 imports no gin; the job layer registers T5Config under this name (the
+  # same class registered twice is allowed, so this works with or without speclm.run).
+  try:
+    config_class = gin.get_configurable('speclm.models.t5.T5Config')
+  except ValueError:
+    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(
         [str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin')], [])
     with gin.config_scope('t5_1_1_tiny'):
-      return t5.T5(t5.T5Config())
+      return t5.T5(config_class())
   finally:
     gin.clear_config()
 
@@ -273,7 +279,7 @@ def test_check_finite_helper():
 
 
 def test_nan_in_a_smollm2_draft_file_is_refused(tmp_path):
-  from speclm.models import smollm2_draft  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
   trained = {'layers_0': {'mlp': {'up': {'kernel': np.ones((4, 6), np.float32)}}},
              'final_norm': {'scale': np.ones(4, np.float32)},
              'other_embedding': np.zeros(4, np.float32)}

@@ -7,7 +7,7 @@ import pytest
 
 import speclm
 from speclm.models import lookup
-from speclm.models import smollm2
+from speclm.presets import smollm2
 from speclm.testing import scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

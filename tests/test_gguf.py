@@ -16,6 +16,7 @@ import pytest
 
 gguf = pytest.importorskip('gguf')
 
+from speclm import trees  # pylint: disable=g-import-not-at-top
 from speclm.checkpoints import gguf as gguf_reader  # pylint: disable=g-import-not-at-top
 from speclm.models import llama  # pylint: disable=g-import-not-at-top
 
@@ -229,7 +230,7 @@ def test_llama_round_trip_is_exact(tmp_path, tied):
   assert dataclasses.replace(config, norm_eps=want_config.norm_eps) == want_config
   assert config.tie_embeddings == tied
   assert config.max_position_embeddings == 96 and loaded.definition.max_context_length == 96
-  flat = lambda tree: {k: np.asarray(v) for k, v in _flatten(tree)}
+  flat = lambda tree: {k: np.asarray(v) for k, v in trees.flatten(tree).items()}
   want, got = flat(model.params), flat(loaded.params)
   assert want.keys() == got.keys()
   for key in want:
@@ -246,14 +247,6 @@ def test_quantized_llama_stays_close(tmp_path):
                                                                                tokens))
   # Q8_0 keeps about 2-3 significant digits per weight; logits here are O(1).
   assert np.max(np.abs(ours - theirs)) < 0.02 * np.max(np.abs(ours)) + 0.1
-
-
-def _flatten(tree, prefix=''):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flatten(value, f'{prefix}{key}/')
-    else:
-      yield f'{prefix}{key}', value
 
 
 def test_context_length_absent_is_none(tmp_path):
@@ -338,9 +331,8 @@ def _tokenizer_file(path, *, model='gpt2', pre='smollm'):
 
 
 def test_tokenizer_from_gguf_metadata(tmp_path):
-  from speclm import tokenizer  # pylint: disable=g-import-not-at-top
   vocab = _tokenizer_file(tmp_path / 't.gguf')
-  tok = tokenizer.Tokenizer.from_gguf(tmp_path / 't.gguf')
+  tok = gguf_reader.load_tokenizer(tmp_path / 't.gguf')
   assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.vocab_size) == (0, 1, True, len(vocab))
   ids = tok.encode('hello 42 héllo')
   assert ids[0] == 0 and ids[1] == vocab.index('hello')  # BOS added, merges applied
@@ -353,7 +345,6 @@ def test_tokenizer_from_gguf_metadata(tmp_path):
 @pytest.mark.parametrize('model,pre,message', [('llama', 'default', "'llama' tokenizer"),
                                                ('gpt2', 'mystery', "pre-tokenizer 'mystery'")])
 def test_tokenizer_errors(tmp_path, model, pre, message):
-  from speclm import tokenizer  # pylint: disable=g-import-not-at-top
   _tokenizer_file(tmp_path / 't.gguf', model=model, pre=pre)
   with pytest.raises(ValueError, match=message):
-    tokenizer.Tokenizer.from_gguf(tmp_path / 't.gguf')
+    gguf_reader.load_tokenizer(tmp_path / 't.gguf')

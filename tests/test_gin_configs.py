@@ -50,13 +50,17 @@ def test_the_expected_files_exist():
     assert name in ALL_GIN, name
 
 
+def test_the_model_files_exist():
+  for name in ['models/t5_1_0/small.gin', 'models/t5_1_0/base.gin', 'models/t5_1_0/large.gin',
+               'models/t5_1_0/3B.gin', 'models/t5_1_0/11B.gin', 'models/t5_1_1/tiny.gin',
+               'models/t5_1_1/small.gin', 'models/t5_1_1/base.gin', 'models/t5_1_1/large.gin',
+               'models/t5_1_1/xl.gin', 'models/t5_1_1/xxl.gin']:
+    assert name in ALL_GIN, name
+
+
 @pytest.mark.parametrize('relpath', ALL_GIN)
 def test_parses(relpath):
-  missing = _missing_includes(relpath)
-  if missing:
-    # Model files (configs/models/…) are written in another change; nothing else may be absent.
-    assert all(name.startswith('models/') for name in missing), missing
-    pytest.skip(f'{relpath} includes {missing}, which do not exist yet')
+  assert _missing_includes(relpath) == [], f'{relpath} includes files missing from configs/'
   gin.parse_config_files_and_bindings([os.path.join(CONFIGS, relpath)], [],
                                       finalize_config=False)
 
@@ -84,9 +88,7 @@ def test_run_files_mark_required_macros():
 
 @pytest.mark.parametrize('relpath', sorted(PAPER_GAMMAS))
 def test_table2_files_use_the_papers_gamma(relpath):
-  missing = _missing_includes(relpath)
-  if missing:
-    pytest.skip(f'{relpath} includes {missing}, which do not exist yet')
+  assert _missing_includes(relpath) == [], f'{relpath} includes files missing from configs/'
   gin.parse_config_files_and_bindings([relpath], [], finalize_config=False)
   assert run.unset_required() == ['DRAFT_CHECKPOINT', 'OUTPUT_DIR', 'TARGET_CHECKPOINT']
   at_0, at_1 = PAPER_GAMMAS[relpath]

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+from safetensors import numpy as st_numpy
+
 from speclm import checkpoints
 from speclm.checkpoints import hf_t5
 from speclm.checkpoints import safetensors_io
@@ -46,8 +48,8 @@ def _save_hf_t5(directory: Path, version: str, seed: int = 0):
     # when saving, so give it distinct weights and write every tensor ourselves.
     model.lm_head.weight = torch.nn.Parameter(torch.randn(96, 32))
     config.save_pretrained(directory)
-    safetensors_io.save_file({k: v.detach().numpy() for k, v in model.state_dict().items()},
-                             directory / 'model.safetensors')
+    st_numpy.save_file({k: v.detach().numpy() for k, v in model.state_dict().items()},
+                       str(directory / 'model.safetensors'))
   return model
 
 
@@ -217,10 +219,9 @@ def test_truncated_and_corrupt_safetensors(hf_model, tmp_path):
 def test_nan_or_inf_weights_are_refused(hf_model, tmp_path):
   version, directory, _ = hf_model
   (tmp_path / 'config.json').write_bytes((directory / 'config.json').read_bytes())
-  source = safetensors_io.SafetensorsFile(directory / 'model.safetensors')
-  weights = {name: np.array(source[name]) for name in source}
+  weights = st_numpy.load_file(str(directory / 'model.safetensors'))
   weights['encoder.block.1.layer.0.SelfAttention.q.weight'][4, :3] = np.nan
-  safetensors_io.save_file(weights, tmp_path / 'model.safetensors')
+  st_numpy.save_file(weights, str(tmp_path / 'model.safetensors'))
   with pytest.raises(checkpoints.CheckpointError, match=re.escape(
       f"Parameter 'encoder/layers_1/attention/query/kernel' in {tmp_path} has 3 NaN/Inf values"
       ' (of 1024); the checkpoint is corrupt.')):
@@ -230,16 +231,18 @@ def test_nan_or_inf_weights_are_refused(hf_model, tmp_path):
   assert t5.T5(config).max_context_length is None, version
 
 
-def test_safetensors_roundtrip_including_bfloat16(tmp_path):
+def test_safetensors_reading_including_bfloat16_and_shards(tmp_path):
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   tensors = {'a': np.arange(6, dtype=np.float32).reshape(2, 3),
              'b': np.array([1.5, -2.0], ml_dtypes.bfloat16), 'c': np.zeros((0,), np.int64)}
-  path = tmp_path / 'x.safetensors'
-  safetensors_io.save_file(tensors, path, metadata={'format': 'np'})
-  loaded = safetensors_io.SafetensorsFile(path)
-  assert set(loaded) == set(tensors) and loaded.metadata == {'format': 'np'}
+  st_numpy.save_file({k: tensors[k] for k in 'ab'}, str(tmp_path / 'x-1.safetensors'),
+                     metadata={'format': 'np'})
+  st_numpy.save_file({'c': tensors['c']}, str(tmp_path / 'x-2.safetensors'))
+  loaded = safetensors_io.Tensors([tmp_path / 'x-1.safetensors', tmp_path / 'x-2.safetensors'])
+  assert set(loaded) == set(tensors) and len(loaded) == 3
+  assert loaded.path('c') == str(tmp_path / 'x-2.safetensors')
   for name, value in tensors.items():
-    assert loaded[name].dtype == value.dtype
+    assert loaded[name].dtype == value.dtype and loaded.shape(name) == value.shape
     np.testing.assert_array_equal(loaded[name], value)
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-  np.testing.assert_array_equal(load_file(str(path))['a'], tensors['a'])
+  np.testing.assert_array_equal(loaded.read('a', (slice(1, 2), slice(0, 2))), [[3, 4]])
+  assert loaded.read('b', (slice(1, 2),)).dtype == ml_dtypes.bfloat16

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from speclm import partitioning
+from speclm import trees
 from speclm.models import llama
 from speclm.models import t5
 
@@ -95,7 +96,7 @@ def test_llama_logical_axes_cover_params_and_cache(tie):
                                              mlp_dim=32, tie_embeddings=tie))
   shapes = jax.eval_shape(definition.init_params, jax.random.key(0))
   axes = definition.param_logical_axes()
-  flat_shapes, flat_axes = t5.flatten_names(shapes), t5.flatten_names(axes)
+  flat_shapes, flat_axes = trees.flatten(shapes), trees.flatten(axes)
   assert set(flat_shapes) == set(flat_axes)
   for name, shape in flat_shapes.items():
     assert len(flat_axes[name]) == len(shape.shape), name

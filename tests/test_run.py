@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import gin
+import jax
 import pytest
 
 from speclm import outputs
 from speclm import run
+from speclm.checkpoints import t5x
+from speclm.models import t5
 from speclm.testing import scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,9 +337,6 @@ def test_tpu_script_refuses_an_unknown_accelerator_type(tmp_path):
 def test_t5x_checkpoints_through_the_table2_seam(tmp_path, cpu_kernels):
   # The Table 2 files' path: T5 configs from configs/models, T5X checkpoints on disk,
   # t5_checkpoint_model as the provider (here tiny, random and byte-level).
-  jax = pytest.importorskip('jax')
-  t5 = pytest.importorskip('speclm.models.t5')
-  t5x = pytest.importorskip('speclm.checkpoints.t5x')
   config = t5.T5Config(vocab_size=32128, emb_dim=8, num_heads=4, num_encoder_layers=2,
                        num_decoder_layers=2, head_dim=3, mlp_dim=16)
   definition = t5.T5(config)
@@ -361,3 +361,29 @@ def test_t5x_checkpoints_through_the_table2_seam(tmp_path, cpu_kernels):
                                    cpu_kernels=cpu_kernels)
   packed = 'packed' in target.params['decoder']['logits_dense']
   assert packed == (cpu_kernels and cpu_matmul.available())
+
+
+def test_the_analysis_cli_reads_gin_flags_as_the_runner_does(capsys):
+  from speclm.analysis import __main__ as analysis_cli  # pylint: disable=g-import-not-at-top
+  # One implementation of --gin.NAME=VALUE: a flag without a value is an error in both.
+  assert analysis_cli.main(['alpha', '--gin_file=test_tiny.gin', '--gin.GAMMA']) == 2
+  assert '--gin.GAMMA has no value' in capsys.readouterr().err
+
+
+def test_python_m_speclm_run_registers_each_gin_name_once(tmp_path):
+  # A user's gin module may import speclm.run (e.g. to wrap random_llama) while the job runs as
+  # `python -m speclm.run`: the package's names are registered once, not also under __main__.
+  (tmp_path / 'my_models.py').write_text(
+      'import gin\nfrom speclm import run\n\n'
+      '@gin.configurable\ndef wide_llama():\n  return run.random_llama(embed_dim=48)\n')
+  (tmp_path / 'mine.gin').write_text("import my_models\ninclude 'test_tiny.gin'\n"
+                                     'TARGET = @wide_llama\nsynthetic_dataset.num_examples = 2\n'
+                                     "run_job.mode = 'baseline'\n")
+  env = subprocess_env()
+  env['PYTHONPATH'] = str(tmp_path) + os.pathsep + env['PYTHONPATH']
+  proc = subprocess.run(
+      [sys.executable, '-m', 'speclm.run', '--gin_file=mine.gin', '--gin.run_job.show_progress=False',
+       '--gin.run_job.measure_cost=False', f"--gin.OUTPUT_DIR='{tmp_path / 'out'}'"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads((tmp_path / 'out' / 'metrics.json').read_text())['num_decoded'] == 2

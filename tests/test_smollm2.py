@@ -16,7 +16,7 @@ import speclm
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.models import ngram
-from speclm.models import smollm2
+from speclm.presets import smollm2
 
 pytestmark = pytest.mark.skipif(
     not smollm2.is_available(),
@@ -77,7 +77,7 @@ def test_config_read_from_metadata(smol):
   # The GGUF's llama.context_length; drafts built from the target carry it too.
   assert model.definition.max_context_length == 8192
   from speclm.models import eagle  # pylint: disable=import-outside-toplevel
-  from speclm.models import smollm2_draft  # pylint: disable=import-outside-toplevel
+  from speclm.presets import smollm2_draft  # pylint: disable=import-outside-toplevel
   config = model.definition.config
   assert smollm2_draft.draft_config(config, 2, 100).max_position_embeddings == 8192
   assert eagle.draft_config(config, 1, 100).max_position_embeddings == 8192

@@ -14,6 +14,7 @@ from scipy import stats
 
 import speclm
 from speclm import sampling as sampling_lib
+from speclm import trees
 from speclm.models import t5
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def _inputs():
 
 def test_v1_1_tree_has_t5x_names_and_shapes():
   config = t5.tiny_config(vocab_size=40, emb_dim=8, num_heads=4, head_dim=3, mlp_dim=16)
-  flat = t5.flatten_names(t5.T5(config).param_shapes())
+  flat = trees.flatten(t5.T5(config).param_shapes())
   expected = {
       'token_embedder/embedding': (40, 8),
       'encoder/relpos_bias/rel_embedding': (4, 32),
@@ -60,7 +61,7 @@ def test_v1_1_tree_has_t5x_names_and_shapes():
 
 
 def test_v1_0_tree_has_relu_mlp_and_no_logits_dense():
-  flat = t5.flatten_names(t5.T5(t5.tiny_config(version='1.0')).param_shapes())
+  flat = trees.flatten(t5.T5(t5.tiny_config(version='1.0')).param_shapes())
   assert 'encoder/layers_0/mlp/wi/kernel' in flat
   assert not any('wi_0' in name for name in flat)
   assert 'decoder/logits_dense/kernel' not in flat
@@ -68,8 +69,8 @@ def test_v1_0_tree_has_relu_mlp_and_no_logits_dense():
 
 def test_logical_axes_cover_every_parameter():
   definition = t5.T5(t5.tiny_config())
-  axes = t5.flatten_names(definition.logical_axes())
-  shapes = t5.flatten_names(definition.param_shapes())
+  axes = trees.flatten(definition.logical_axes())
+  shapes = trees.flatten(definition.param_shapes())
   assert set(axes) == set(shapes)
   for name, shape in shapes.items():
     assert len(axes[name]) == len(shape.shape), name
@@ -78,12 +79,26 @@ def test_logical_axes_cover_every_parameter():
   assert axes['token_embedder/embedding'] == ('vocab', 'embed')
 
 
+def gin_t5_config():
+  """`T5Config` as gin configures it, under the name the gin files use.
+
+  `speclm.models.t5` imports no gin: the job layer (speclm.run) registers the dataclass with
+  `gin.external_configurable`. Registering the same class again is allowed, so this works
+  whether or not the job layer has been imported.
+  """
+  try:
+    return gin.get_configurable('speclm.models.t5.T5Config')
+  except ValueError:  # not registered yet
+    return gin.external_configurable(t5.T5Config, module='speclm.models.t5')
+
+
 def _gin_config(path: Path) -> t5.T5Config:
+  config_class = gin_t5_config()
   gin.clear_config()
   gin.parse_config_file(str(path))
   try:
     with gin.config_scope(f'{path.parent.name}_{path.stem.lower()}'):
-      return t5.T5Config()
+      return config_class()
   finally:
     gin.clear_config()
 
@@ -149,20 +164,22 @@ def test_gin_sizes_and_parameter_counts(name):
 
 
 def test_gin_scopes_let_target_and_draft_coexist():
+  config_class = gin_t5_config()
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(
         [str(GIN_DIR / 't5_1_1/xxl.gin'), str(GIN_DIR / 't5_1_1/small.gin')],
         ["T5Config.vocabulary_path = '/data/spm.model'", "t5_1_1_small/T5Config.dtype = 'float32'"])
     with gin.config_scope('t5_1_1_xxl'):
-      xxl = t5.T5Config()
+      xxl = config_class()
     with gin.config_scope('t5_1_1_small'):
-      small = t5.T5Config()
+      small = config_class()
   finally:
     gin.clear_config()
   assert (xxl.emb_dim, small.emb_dim) == (4096, 512)
   assert (xxl.dtype, small.dtype) == ('bfloat16', 'float32')
   assert xxl.vocabulary_path == small.vocabulary_path == '/data/spm.model'
+  assert type(xxl) is t5.T5Config  # the plain dataclass: gin only supplies its arguments
 
 
 def test_config_validation():

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from speclm import checkpoints
+from speclm import trees
 from speclm.checkpoints import t5x
 from speclm.models import t5
+from speclm.presets import t5 as t5_presets
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / '..' / 'shared' / 'fixtures' / 't5x'
@@ -27,18 +29,24 @@ needs_fixtures = pytest.mark.skipif(not TINY_CHECKPOINT.exists(),
 
 
 def _tiny_gin_config() -> t5.T5Config:
+  # speclm.models.t5 imports no gin; the job layer registers T5Config under this name (the
+  # same class registered twice is allowed, so this works with or without speclm.run).
+  try:
+    config_class = gin.get_configurable('speclm.models.t5.T5Config')
+  except ValueError:
+    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(
         [str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin')], [])
     with gin.config_scope('t5_1_1_tiny'):
-      return t5.T5Config()
+      return config_class()
   finally:
     gin.clear_config()
 
 
 def _flat(tree):
-  return t5.flatten_names(tree)
+  return trees.flatten(tree)
 
 
 @pytest.fixture(scope='module')
@@ -276,11 +284,18 @@ def test_orbax_checkpoint_roundtrip(tmp_path, model):
         path, expected=t5.T5(t5.tiny_config(vocab_size=96, emb_dim=16)).param_shapes())
 
 
-def test_t5_model_gin_entry_point_restores(tmp_path, model):
+def test_load_t5_preset_restores(tmp_path, model):
+  from speclm import partitioning  # pylint: disable=g-import-not-at-top
   t5x.save_t5x_checkpoint(tmp_path, model.params)
-  restored = t5.t5_model(model.definition.config, checkpoint_path=str(tmp_path))
+  restored = t5_presets.load_t5(model.definition.config, checkpoint_path=str(tmp_path))
+  # With a partitioner, a legacy checkpoint is read shard by shard: the same values.
+  placed = t5_presets.load_t5(model.definition.config, str(tmp_path), role='draft',
+                              partitioner=partitioning.Partitioner(num_partitions=1))
   for name, value in _flat(model.params).items():
     np.testing.assert_array_equal(_flat(restored.params)[name], value)
+    np.testing.assert_array_equal(_flat(placed.params)[name], value)
+  with pytest.raises(checkpoints.CheckpointError, match='not found'):
+    t5_presets.load_t5(model.definition.config, str(tmp_path / 'missing'))
 
 
 def test_gcs_paths_go_through_tensorstore_kvstores(tmp_path, model, monkeypatch):

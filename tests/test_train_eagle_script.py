@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import speclm
-from speclm.models import smollm2
-from speclm.models import smollm2_draft
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
 from speclm.testing.scripts import run_script
 
 pytestmark = [

@@ -11,7 +11,6 @@ Command line: `python -m speclm.analysis --help`.
 from speclm.analysis import measure
 from speclm.analysis import report
 from speclm.analysis import theory
-from speclm.analysis.measure import alpha_from_stats
 from speclm.analysis.measure import estimate_alpha
 from speclm.analysis.measure import measure_costs
 from speclm.analysis.measure import measure_speedup
@@ -24,8 +23,7 @@ from speclm.analysis.theory import speedup_lower_bound
 from speclm.analysis.theory import walltime_improvement
 
 __all__ = [
-    'alpha_from_stats', 'estimate_alpha', 'expected_tokens_per_iteration', 'measure',
-    'measure_costs', 'measure_speedup', 'operations_factor', 'optimal_gamma',
-    'oracle_tokens_bound', 'report', 'speedup_exists', 'speedup_lower_bound', 'theory',
-    'walltime_improvement',
+    'estimate_alpha', 'expected_tokens_per_iteration', 'measure', 'measure_costs',
+    'measure_speedup', 'operations_factor', 'optimal_gamma', 'oracle_tokens_bound', 'report',
+    'speedup_exists', 'speedup_lower_bound', 'theory', 'walltime_improvement',
 ]

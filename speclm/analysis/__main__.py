@@ -52,7 +52,7 @@ class _Job:
     self.prompts = self.prompt_lengths = self.eos_id = None
     self.target = self.draft = None
     if args.gin_file:
-      from speclm import run  # the runner's gin machinery, only when asked for
+      from speclm import run  # pylint: disable=g-import-not-at-top  (the job's gin machinery)
       try:
         job = run.load_job(args.gin_file, args.gin_bindings, args.gin_search_paths)
       except run.JobError as e:
@@ -339,9 +339,13 @@ def _report(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
-  # --gin.NAME=VALUE -> --gin_bindings=NAME = VALUE, as the runner (and T5X) accept it.
-  argv = [f'--gin_bindings={a[6:].split("=", 1)[0]} = {a[6:].split("=", 1)[1]}'
-          if a.startswith('--gin.') and '=' in a else a for a in argv]
+  # --gin.NAME=VALUE -> --gin_bindings=NAME = VALUE, exactly as the runner reads it.
+  from speclm.run import gin_cli  # pylint: disable=g-import-not-at-top
+  try:
+    argv = gin_cli.rewrite_gin_args(argv)
+  except gin_cli.JobError as e:
+    print(f'error: {e.message}', file=sys.stderr)
+    return 2
   args = build_parser().parse_args(argv)
   try:
     return {'theory': _theory, 'alpha': _alpha, 'cost': _cost, 'report': _report}[

@@ -1,10 +1,13 @@
 """The side-by-side timing harness shared by `scripts/benchmark.py` and `scripts/benchmark_t5.py`.
 
+`interleaved_rounds` is speclm's one timing loop: it runs several callables once per round, in
+turn, so that slow periods of a shared machine hit them all alike. `measure.time_extend`,
+`measure.measure_costs` and `measure.measure_speedup` take medians of its rounds.
+
 A benchmark is a list of `Case`s, each a callable that generates a fixed number of tokens per
-row. `run_rounds` compiles and warms every case up, then runs them all once per round, in
-turn, probing the memory bandwidth at the start of each round: slow periods of a shared
-machine then hit every case alike, and ratios are taken round by round (`ratio`) before the
-median, so they stay meaningful when absolute times drift.
+row. `warm_up` compiles and warms every case up; `run_rounds` then runs them all once per
+round, in turn, probing the memory bandwidth at the start of each round, and ratios are taken
+round by round (`ratio`) before the median, so they stay meaningful when absolute times drift.
 """
 
 from __future__ import annotations
@@ -129,22 +132,56 @@ def warm_up(cases: Sequence[Case], *, before_sampling_context=None) -> None:
           f' {time.time() - start:.1f}s', flush=True)
 
 
+def interleaved_rounds(
+    runs: Sequence[Callable[[int], Any]], rounds: int, *,
+    before_round: Callable[[int], Any] | None = None,
+    after_round: Callable[[int, list[float], list[Any]], Any] | None = None,
+) -> list[list[float]]:
+  """Runs every callable once per round, in turn; returns each one's seconds, round by round.
+
+  Interleaving spreads slow periods of a shared machine over all the callables alike, so their
+  ratios stay meaningful even when absolute times drift. `run(round_index)` is timed until its
+  result is ready (`jax.block_until_ready`). `before_round(round_index)` runs, untimed, before
+  a round's first call; `after_round(round_index, seconds, outputs)` after its last, with each
+  call's seconds and result in that round.
+
+  Returns:
+    `seconds[i][k]`: the time of `runs[i]` in round k.
+  """
+  seconds = [[] for _ in runs]
+  for round_index in range(rounds):
+    if before_round is not None:
+      before_round(round_index)
+    outputs = []
+    for run, samples in zip(runs, seconds):
+      start = time.perf_counter()
+      out = jax.block_until_ready(run(round_index))
+      samples.append(time.perf_counter() - start)
+      outputs.append(out)
+    if after_round is not None:
+      after_round(round_index, [samples[-1] for samples in seconds], outputs)
+  return seconds
+
+
 def run_rounds(cases: Sequence[Case], rounds: int, *, shown: int = 8) -> list[float]:
-  """Runs every case once per round, in turn; returns the bandwidth probed before each round.
+  """Runs every case once per round, in turn (`interleaved_rounds`), recording each case's
+  seconds and outputs; returns the memory bandwidth probed before each round.
 
   After each round it prints the first `shown` cases' milliseconds per token.
   """
   bandwidths = []
-  for round_index in range(rounds):
-    bandwidths.append(memory_bandwidth())
-    for case in cases:
-      start = time.perf_counter()
-      out = case.run(round_index)
-      case.seconds.append(time.perf_counter() - start)
+
+  def record(round_index: int, seconds: list[float], outputs: list[Any]) -> None:
+    for case, case_seconds, out in zip(cases, seconds, outputs):
+      case.seconds.append(case_seconds)
       case.outputs.append(out)
     print(f'round {round_index + 1}/{rounds}: ' + ', '.join(
         f'{c.name[:22]} b{c.batch_size} T{c.temperature:g} {c.ms_per_token()[-1]:.0f}'
         for c in cases[:shown]) + ' ms/token', flush=True)
+
+  interleaved_rounds([case.run for case in cases], rounds,
+                     before_round=lambda _: bandwidths.append(memory_bandwidth()),
+                     after_round=record)
   return bandwidths
 
 

@@ -36,19 +36,10 @@ from speclm import decoding
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
+from speclm.analysis import benchmarking
 
 # ----------------------------------------------------------------------------------------------
-# α from a decode's own statistics
-
-
-def alpha_from_stats(stats: decoding.DecodeStats) -> float:
-  """α = beta_sum / beta_count from `speculative_decode(...).stats` (NaN if nothing drafted).
-
-  These are exact acceptance probabilities at every drafted position the committed sequences
-  reached, so this α has no sampling noise from the accept/reject coin flips.
-  """
-  count = int(np.asarray(stats.beta_count))
-  return float(np.asarray(stats.beta_sum)) / count if count else float('nan')
+# α from a decode's own statistics (the pooled α is `DecodeStats.alpha`)
 
 
 def alpha_per_row_from_stats(stats: decoding.DecodeStats) -> np.ndarray:
@@ -510,20 +501,9 @@ def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
   return _Runner(run=functools.partial(run, num_steps), num_steps=num_steps)
 
 
-def _interleaved_medians(runners, repeats: int, divisors=None) -> list[float]:
-  """Median seconds of each callable (divided by its divisor), timed in turn within each repeat.
-
-  Interleaving spreads slow periods of a shared machine over all of them alike, so their
-  ratios stay meaningful even when absolute times drift.
-  """
-  divisors = divisors or [1] * len(runners)
-  samples = [[] for _ in runners]
-  for _ in range(repeats):
-    for runner, divisor, bucket in zip(runners, divisors, samples):
-      start = time.perf_counter()
-      jax.block_until_ready(runner())
-      bucket.append((time.perf_counter() - start) / divisor)
-  return [float(np.median(bucket)) for bucket in samples]
+def _median_per_step(seconds: list[float], num_steps: int = 1) -> float:
+  """The median over repeats of one sample's seconds divided by the calls it made."""
+  return float(np.median([s / num_steps for s in seconds]))
 
 
 def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
@@ -540,7 +520,8 @@ def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
   runner = _extend_runner(model, num_new=num_new, batch_size=batch_size,
                           context_length=context_length, num_steps=num_steps,
                           min_sample_seconds=min_sample_seconds, seed=seed)
-  return _interleaved_medians([runner.run], repeats, [runner.num_steps])[0]
+  (seconds,) = benchmarking.interleaved_rounds([lambda _: runner.run()], repeats)
+  return _median_per_step(seconds, runner.num_steps)
 
 
 def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,
@@ -549,8 +530,9 @@ def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,
                   seed: int = 0) -> CostEstimate:
   """c and r for these models, this batch size and context length, on the default device.
 
-  The three calls are timed in turn within each repeat (see `_interleaved_medians`); each
-  sample repeats a call at least `num_steps` times and lasts at least `min_sample_seconds`.
+  The three calls are timed in turn within each repeat (`benchmarking.interleaved_rounds`);
+  each sample repeats a call at least `num_steps` times and lasts at least
+  `min_sample_seconds`.
   """
   if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
     raise ValueError(f'gamma must be an integer >= 1, got {gamma!r}.')
@@ -561,8 +543,9 @@ def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,
   runners = [_extend_runner(draft, num_new=1, **kwargs),
              _extend_runner(target, num_new=1, **kwargs),
              _extend_runner(target, num_new=gamma + 1, **kwargs)]
-  draft_step, target_step, target_verify = _interleaved_medians(
-      [r.run for r in runners], repeats, [r.num_steps for r in runners])
+  seconds = benchmarking.interleaved_rounds([lambda _, r=r: r.run() for r in runners], repeats)
+  draft_step, target_step, target_verify = (
+      _median_per_step(s, r.num_steps) for s, r in zip(seconds, runners))
   return CostEstimate(draft_step_seconds=draft_step, target_step_seconds=target_step,
                       target_verify_seconds=target_verify, gamma=int(gamma),
                       batch_size=batch_size, context_length=context_length)
@@ -579,7 +562,7 @@ class SpeedupMeasurement:
   Attributes:
     autoregressive_seconds, speculative_seconds: medians over repeats (after compilation).
     num_tokens: tokens generated per decode (all rows).
-    alpha: α from the speculative decode's statistics (`alpha_from_stats`).
+    alpha: α from the speculative decode's statistics (`DecodeStats.alpha`).
     tokens_per_target_call: of the speculative decode (the baseline's is 1).
     accepted_histogram: `[γ+1]` rounds that accepted n = 0 … γ drafts.
     outputs_match: whether the two decodes produced the same tokens (expected at temperature 0).
@@ -609,7 +592,8 @@ def measure_speedup(target: protocol.Model, draft: protocol.Model, prompts, prom
                     seed: int = 0, repeats: int = 3) -> SpeedupMeasurement:
   """Times `autoregressive_decode` and `speculative_decode` on the same batch of prompts.
 
-  Both are compiled and run once first; then each repeat times one call of each, in turn.
+  Both are compiled and run once first; then each repeat times one call of each, in turn
+  (`benchmarking.interleaved_rounds`).
   """
   kwargs = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed)
   run_baseline = lambda: decoding.autoregressive_decode(target, prompts, prompt_lengths, **kwargs)
@@ -617,10 +601,11 @@ def measure_speedup(target: protocol.Model, draft: protocol.Model, prompts, prom
                                                         gamma=gamma, **kwargs)
   baseline = jax.block_until_ready(run_baseline())  # compile and warm up
   spec = jax.block_until_ready(run_speculative())
-  ar_seconds, spec_seconds = _interleaved_medians([run_baseline, run_speculative], repeats)
+  ar_seconds, spec_seconds = (_median_per_step(s) for s in benchmarking.interleaved_rounds(
+      [lambda _: run_baseline(), lambda _: run_speculative()], repeats))
   return SpeedupMeasurement(
       autoregressive_seconds=ar_seconds, speculative_seconds=spec_seconds,
-      num_tokens=int(np.sum(np.asarray(spec.lengths))), alpha=alpha_from_stats(spec.stats),
+      num_tokens=int(np.sum(np.asarray(spec.lengths))), alpha=spec.stats.alpha,
       tokens_per_target_call=spec.tokens_per_target_call,
       accepted_histogram=np.asarray(spec.stats.accepted_histogram),
       outputs_match=baseline.to_lists() == spec.to_lists())

@@ -14,10 +14,15 @@ into a `LlamaConfig`:
 * `{arch}.context_length` becomes `LlamaConfig.max_position_embeddings` (the model's
   `max_context_length`); parameters holding NaN/Inf are refused (`validate.check_finite`).
 
+* The tokenizer in the metadata (`tokenizer.ggml.*`: byte-level BPE vocabulary, merges,
+  token types, special ids, the pre-tokenizer name, and `tokenizer.chat_template`) becomes a
+  `speclm.tokenizer.Tokenizer` (`load_tokenizer`).
+
 Typical use:
 
     model = gguf.load_model(path)            # a speclm.protocol.Model, float32
     config = gguf.read_config(path)          # only the LlamaConfig
+    tok = gguf.load_tokenizer(path)          # text <-> ids, chat template
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from speclm import protocol
+from speclm import tokenizer
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
 
@@ -37,6 +43,8 @@ _SETUP_HINT = 'Install it with `pip install gguf` (speclm extra: `pip install sp
 # Quantization types this reader dequantizes (names of gguf.GGMLQuantizationType).
 SUPPORTED_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q8_0')
 SUPPORTED_ARCHITECTURES = ('llama',)
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
 def _gguf():
@@ -294,7 +302,7 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
 
   Args:
     source: the `.gguf` file, or a `GGUFFile` already opened (opening parses every metadata
-      array, seconds for a large vocabulary; share one with `Tokenizer.from_gguf`).
+      array, seconds for a large vocabulary; share one with `load_tokenizer`).
     dtype: parameter and activation dtype ('float32' or 'bfloat16'); quantized tensors are
       dequantized to float32 first.
   """
@@ -308,6 +316,44 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
   params = {k: _to_jax(v, jnp) for k, v in params.items()}
   definition.validate_params(params)
   return protocol.Model(definition, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def load_tokenizer(source: str | os.PathLike | GGUFFile) -> tokenizer.Tokenizer:
+  """The tokenizer a GGUF file carries in its metadata, as a `speclm.tokenizer.Tokenizer`.
+
+  Byte-level BPE ("gpt2") vocabularies only: vocabulary, merges, token types (control and
+  user-defined tokens are matched whole), the pre-tokenizer name, special ids, `add_bos_token`
+  and the chat template. `source` is the `.gguf` file or a `GGUFFile` already opened.
+  """
+  file = source if isinstance(source, GGUFFile) else open_gguf(source)
+  md = file.metadata
+  model = md.get('tokenizer.ggml.model')
+  if model is None:
+    raise ValueError(f'{file.path!r} carries no tokenizer (no tokenizer.ggml.model key).')
+  if model != 'gpt2':
+    raise ValueError(f'{file.path!r} has a {model!r} tokenizer; speclm builds byte-level BPE'
+                     ' ("gpt2") tokenizers from GGUF. Load the model\'s tokenizer.json instead'
+                     ' (Tokenizer.from_tokenizer_json).')
+  tokens = file.array('tokenizer.ggml.tokens')
+  merges = file.array('tokenizer.ggml.merges') or []
+  types = file.array('tokenizer.ggml.token_type') or [_NORMAL] * len(tokens)
+  added = [(token, kind == _CONTROL) for token, kind in zip(tokens, types)
+           if kind in (_CONTROL, _USER_DEFINED)]
+  backend = tokenizer.byte_level_bpe(tokens, merges, md.get('tokenizer.ggml.pre', 'default'),
+                                     added_tokens=added, source=file.path)
+
+  def special(key):
+    value = md.get(f'tokenizer.ggml.{key}_token_id')
+    return None if value is None else int(value)
+
+  return tokenizer.Tokenizer(
+      backend, bos_id=special('bos'), eos_id=special('eos'), pad_id=special('padding'),
+      add_bos=bool(md.get('tokenizer.ggml.add_bos_token', False)),
+      chat_template=md.get('tokenizer.chat_template'))
 
 
 def _to_jax(tree, jnp):

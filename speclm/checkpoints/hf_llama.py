@@ -2,10 +2,10 @@
 
 A directory as `LlamaForCausalLM.save_pretrained` writes it (one file or shards with a
 `model.safetensors.index.json`) becomes a `speclm.protocol.Model` whose logits equal
-Hugging Face's. Safetensors files are parsed here directly (an 8-byte header length, a JSON
-header, raw little-endian arrays), so nothing is unpickled and bfloat16 needs no torch.
-`*.bin` (pickle) checkpoints are refused, and so are weights holding NaN/Inf
-(`validate.check_finite`).
+Hugging Face's. Safetensors files are read with the `safetensors` library
+(`safetensors_io.Tensors`: each tensor when it is converted), so nothing is unpickled and
+bfloat16 needs no torch. `*.bin` (pickle) checkpoints are refused, and so are weights holding
+NaN/Inf (`validate.check_finite`).
 
 Name mapping (HF weights are `[out, in]`; our kernels `[in, out]`):
   model.embed_tokens.weight                 -> embedder/embedding
@@ -27,60 +27,23 @@ import dataclasses
 import glob
 import json
 import os
-import struct
 from typing import Any, Mapping
 
 import numpy as np
 
 from speclm import protocol
+from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
-
-_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'I64': np.int64,
-           'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8, 'BOOL': np.bool_}
 
 
 # ----------------------------------------------------------------------------------------------
 # Safetensors
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Every tensor of one `.safetensors` file as a numpy array (bfloat16 via `ml_dtypes`)."""
-  path = os.fspath(path)
-  with open(path, 'rb') as f:
-    raw = f.read(8)
-    if len(raw) != 8:
-      raise ValueError(f'{path!r} is not a safetensors file (too short).')
-    (header_len,) = struct.unpack('<Q', raw)
-    if header_len > os.path.getsize(path) - 8:
-      raise ValueError(f'{path!r} is not a safetensors file (bad header length).')
-    try:
-      header = json.loads(f.read(header_len))
-    except ValueError as e:
-      raise ValueError(f'{path!r} has a corrupt safetensors header: {e}') from e
-  data = np.memmap(path, dtype=np.uint8, mode='r', offset=8 + header_len)
-  tensors = {}
-  for name, info in header.items():
-    if name == '__metadata__':
-      continue
-    dtype_name = info['dtype']
-    if dtype_name == 'BF16':
-      import ml_dtypes  # pylint: disable=import-outside-toplevel  # ships with jax
-      dtype = np.dtype(ml_dtypes.bfloat16)
-    elif dtype_name in _DTYPES:
-      dtype = np.dtype(_DTYPES[dtype_name])
-    else:
-      raise ValueError(f'{path!r}: tensor {name!r} has unsupported dtype {dtype_name}.')
-    start, end = info['data_offsets']
-    shape = tuple(info['shape'])
-    if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or end > data.size:
-      raise ValueError(f'{path!r}: tensor {name!r} has inconsistent offsets (corrupt file?).')
-    tensors[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
-  return tensors
-
-
-def read_directory_weights(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-  """All weights of a HF checkpoint directory (single file or shards)."""
+def read_directory_weights(directory: str | os.PathLike) -> Mapping[str, np.ndarray]:
+  """All weights of a HF checkpoint directory (single file or shards): a mapping name -> numpy
+  array that reads each tensor when it is used (`safetensors_io.Tensors`)."""
   directory = os.fspath(directory)
   files = sorted(glob.glob(os.path.join(directory, '*.safetensors')))
   if not files:
@@ -89,10 +52,7 @@ def read_directory_weights(directory: str | os.PathLike) -> dict[str, np.ndarray
     hint = (' It holds only pickled PyTorch weights, which speclm never loads (unpickling runs'
             ' arbitrary code); convert them to safetensors first.') if pickled else ''
     raise FileNotFoundError(f'No *.safetensors files in {directory!r}.{hint}')
-  weights: dict[str, np.ndarray] = {}
-  for path in files:
-    weights.update(read_safetensors(path))
-  return weights
+  return safetensors_io.Tensors(files)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,12 +324,6 @@ def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> proto
   definition = llama.Llama(config)
   definition.validate_params(params)
   return protocol.Model(definition, params)
-
-
-def load_tokenizer(directory: str | os.PathLike):
-  """The directory's `tokenizer.json` (+ `tokenizer_config.json`) as a speclm `Tokenizer`."""
-  from speclm import tokenizer  # pylint: disable=import-outside-toplevel
-  return tokenizer.Tokenizer.from_pretrained_dir(directory)
 
 
 def _to_jax(tree, jnp):

@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 
 from speclm import protocol
+from speclm import trees
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.t5x import CheckpointError
 from speclm.checkpoints.validate import check_finite
-from speclm.models import layers
 from speclm.models import t5
 
 _ATTN = {'q': 'query', 'k': 'key', 'v': 'value', 'o': 'out'}
@@ -123,7 +123,7 @@ def to_transformers(model: protocol.Model):
   config = model.definition.config
   hf_model = transformers.T5ForConditionalGeneration(
       transformers.T5Config(**config_to_hf(config)))
-  flat = t5.flatten_names(model.params)
+  flat = trees.flatten(model.params)
   weights = {}
   for ours, (hf_name, transpose) in _mapping(config).items():
     array = np.asarray(flat[ours], np.float32)
@@ -152,8 +152,8 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
     raise CheckpointError(f'Corrupt config.json: {path} ({e})') from e
 
 
-def _open_tensors(directory: str) -> dict[str, tuple[safetensors_io.SafetensorsFile, str]]:
-  """name -> (file, name) over every safetensors shard of `directory`."""
+def _open_tensors(directory: str) -> safetensors_io.Tensors:
+  """name -> tensor (read when used) over every safetensors shard of `directory`."""
   index_path = os.path.join(directory, 'model.safetensors.index.json')
   if os.path.isfile(index_path):
     with open(index_path) as f:
@@ -167,15 +167,8 @@ def _open_tensors(directory: str) -> dict[str, tuple[safetensors_io.SafetensorsF
     hint = (f' It has {pickles[0]}, a pickle, which speclm never loads; re-save the model with'
             ' save_pretrained(..., safe_serialization=True).' if pickles else '')
     raise CheckpointError(f'No *.safetensors files in {directory}.{hint}')
-  out = {}
-  for name in files:
-    try:
-      shard = safetensors_io.SafetensorsFile(os.path.join(directory, name))
-    except safetensors_io.SafetensorsError as e:
-      raise CheckpointError(str(e)) from e
-    for key in shard:
-      out[key] = (shard, key)
-  return out
+  return safetensors_io.Tensors([os.path.join(directory, name) for name in files],
+                                error=CheckpointError)
 
 
 def _mapping(config: t5.T5Config) -> dict[str, tuple[str, bool]]:
@@ -246,25 +239,25 @@ def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
       raise CheckpointError(f'{directory} (T5 {from_file.version}) does not match the model'
                             f' config (T5 {config.version}): {"; ".join(differ)}.')
   tensors = _open_tensors(directory)
-  expected = t5.flatten_names(t5.T5(config).param_shapes())
+  expected = trees.flatten(t5.T5(config).param_shapes())
   target_dtype = np.dtype(param_dtype or config.param_dtype)
   flat = {}
   for ours, (hf_name, transpose) in _mapping(config).items():
-    entry = tensors.get(hf_name)
-    if entry is None and hf_name in ('shared.weight', 'lm_head.weight'):
+    stored = hf_name
+    if stored not in tensors and hf_name in ('shared.weight', 'lm_head.weight'):
       # Tied weights are saved once, under any of their names.
-      for alias in ('shared.weight', 'encoder.embed_tokens.weight',
-                    'decoder.embed_tokens.weight'):
-        entry = entry or tensors.get(alias)
-    if entry is None:
+      stored = next((alias for alias in ('shared.weight', 'encoder.embed_tokens.weight',
+                                         'decoder.embed_tokens.weight') if alias in tensors),
+                    hf_name)
+    if stored not in tensors:
       raise CheckpointError(f'{directory} has no tensor {hf_name!r} (needed for {ours}).')
-    arr = entry[0][entry[1]]
+    arr = tensors[stored]
     if transpose:
       arr = arr.T
     want = tuple(expected[ours].shape)
     if tuple(arr.shape) != want:
       raise CheckpointError(f'Parameter {ours} (from {hf_name} in {directory}) has shape'
                             f' {tuple(arr.shape)}, the model config expects {want}.')
-    flat[ours] = np.ascontiguousarray(arr).astype(target_dtype)
+    flat[ours] = np.ascontiguousarray(arr, dtype=target_dtype)  # one copy at most
   check_finite(flat, directory)
-  return config, layers.unflatten(flat)
+  return config, trees.unflatten(flat)

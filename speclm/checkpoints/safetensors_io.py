@@ -1,127 +1,89 @@
-"""A small, dependency-free reader and writer of the safetensors format.
+"""Safetensors checkpoints through the `safetensors` library, plus the little it leaves to us.
 
-A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
-(`{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}`),
-then the raw little-endian tensor bytes, offsets relative to the end of the header. Nothing is
-executed while reading (unlike pickle-based `.bin` checkpoints, which we refuse).
+The library parses and validates the file (header, offsets, dtypes; nothing is executed,
+unlike pickle-based `.bin` checkpoints, which speclm refuses), memory-maps it, and reads a
+tensor, or only a region of one (`get_slice`), when asked. Writing is the library's too:
+`safetensors.numpy.save_file`. What it does not do, and this module does:
 
-Reading memory-maps the file, so a tensor costs memory only when it is used. bfloat16 and the
-float8 types come from `ml_dtypes`, which JAX already depends on.
+  * name the file in its errors: the library's messages ('Error while deserializing header:
+    incomplete metadata, file not fully covered') do not say which file of a sharded
+    checkpoint failed, nor do they read as a checkpoint error. `open_file` raises
+    `error(...)` (ValueError, or the caller's `CheckpointError`) naming the path;
+  * bfloat16 with `framework='numpy'`: the library returns NumPy's 'bfloat16' dtype, which
+    exists only once `ml_dtypes` is imported (JAX imports it, but a process may read a file
+    before importing JAX). This module imports it;
+  * one mapping over the shards of a checkpoint directory: `Tensors(paths)` is name ->
+    tensor, each tensor read when it is used (whole: `tensors[name]`; a region:
+    `tensors.read(name, index)`, which reads only the bytes of that region), so a loader
+    costs the memory of the tensor it is converting, not of the checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct as _struct
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
-import ml_dtypes
+import ml_dtypes  # pylint: disable=unused-import  # registers NumPy's 'bfloat16' for the library
 import numpy as np
-
-_DTYPES = {
-    'F64': np.dtype('<f8'), 'F32': np.dtype('<f4'), 'F16': np.dtype('<f2'),
-    'BF16': np.dtype(ml_dtypes.bfloat16), 'F8_E4M3': np.dtype(ml_dtypes.float8_e4m3fn),
-    'F8_E5M2': np.dtype(ml_dtypes.float8_e5m2), 'I64': np.dtype('<i8'), 'I32': np.dtype('<i4'),
-    'I16': np.dtype('<i2'), 'I8': np.dtype('i1'), 'U64': np.dtype('<u8'), 'U32': np.dtype('<u4'),
-    'U16': np.dtype('<u2'), 'U8': np.dtype('u1'), 'BOOL': np.dtype('?'),
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
-_MAX_HEADER = 100 * 2**20
+import safetensors
 
 
-class SafetensorsError(ValueError):
-  """A malformed, truncated or missing safetensors file; the message names the path."""
+def open_file(path: str | os.PathLike, error: type[Exception] = ValueError):
+  """`safetensors.safe_open(path, framework='numpy')`; a missing, truncated or corrupt file
+  raises `error` with a message naming `path`."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise error(f'Safetensors file not found: {path}')
+  try:
+    return safetensors.safe_open(path, framework='numpy')
+  except safetensors.SafetensorError as e:
+    raise error(f'Truncated or corrupt safetensors file {path}: {e}') from e
 
 
-class SafetensorsFile(Mapping[str, np.ndarray]):
-  """Read-only mapping name -> numpy array (memory-mapped) of one `.safetensors` file."""
+class Tensors(Mapping[str, np.ndarray]):
+  """Read-only mapping name -> numpy array over one or more `.safetensors` files (shards).
 
-  def __init__(self, path: str | os.PathLike):
-    self.path = os.fspath(path)
-    if not os.path.isfile(self.path):
-      raise SafetensorsError(f'Safetensors file not found: {self.path}')
-    size = os.path.getsize(self.path)
-    with open(self.path, 'rb') as f:
-      head = f.read(8)
-      if len(head) < 8:
-        raise SafetensorsError(f'Truncated safetensors file (no header): {self.path}')
-      (header_len,) = _struct.unpack('<Q', head)
-      if header_len > min(_MAX_HEADER, size - 8):
-        raise SafetensorsError(f'Corrupt or truncated safetensors file (header of {header_len}'
-                               f' bytes in a file of {size}): {self.path}')
-      try:
-        header = json.loads(f.read(header_len))
-      except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f'Corrupt safetensors header in {self.path}: {e}') from e
-    if not isinstance(header, dict):
-      raise SafetensorsError(f'Corrupt safetensors header in {self.path}: not a JSON object.')
-    self.metadata = header.pop('__metadata__', None) or {}
-    self._data_start = 8 + header_len
-    data_size = size - self._data_start
-    self._entries = {}
-    for name, info in header.items():
-      try:
-        dtype = _DTYPES[info['dtype']]
-        shape = tuple(int(d) for d in info['shape'])
-        begin, end = (int(o) for o in info['data_offsets'])
-      except (KeyError, TypeError, ValueError) as e:
-        raise SafetensorsError(f'Corrupt safetensors entry {name!r} in {self.path}: {info!r}'
-                               ) from e
-      if end > data_size:
-        raise SafetensorsError(f'Truncated safetensors file: tensor {name!r} needs bytes up to'
-                               f' {end} of the data section, which has {data_size}:'
-                               f' {self.path}')
-      if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise SafetensorsError(f'Corrupt safetensors entry {name!r} in {self.path}: shape'
-                               f' {shape} of {info["dtype"]} does not fill {end - begin} bytes.')
-      self._entries[name] = (dtype, shape, begin)
-    self._mmap = None
+  Opening reads the headers only; `tensors[name]` reads that tensor, `read(name, index)` one
+  region of it. A name stored in several files is read from the last of `paths`.
+  """
 
-  def _map(self) -> np.ndarray:
-    if self._mmap is None:
-      if os.path.getsize(self.path) == self._data_start:
-        self._mmap = np.zeros((0,), np.uint8)
-      else:
-        self._mmap = np.memmap(self.path, dtype=np.uint8, mode='r', offset=self._data_start)
-    return self._mmap
+  def __init__(self, paths: Sequence[str | os.PathLike], error: type[Exception] = ValueError):
+    self._error = error
+    self._files: dict[str, tuple[str, object]] = {}
+    for path in paths:
+      path = os.fspath(path)
+      handle = open_file(path, error)
+      for name in handle.keys():
+        self._files[name] = (path, handle)
 
-  def __getitem__(self, name: str) -> np.ndarray:
-    dtype, shape, begin = self._entries[name]
-    count = int(np.prod(shape, dtype=np.int64))
-    raw = self._map()[begin:begin + count * dtype.itemsize]
-    return raw.view(dtype).reshape(shape)
+  def path(self, name: str) -> str:
+    """The file holding `name`."""
+    return self._files[name][0]
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return self._entries[name][1]
+    """The tensor's shape, from the header (nothing is read)."""
+    return tuple(int(d) for d in self._files[name][1].get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The region `index` (one slice per dimension, steps of 1) of a tensor; only its bytes
+    are read."""
+    return self._files[name][1].get_slice(name)[tuple(index)]
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    path, handle = self._files[name]
+    try:
+      return handle.get_tensor(name)
+    except safetensors.SafetensorError as e:
+      raise self._error(f'Cannot read tensor {name!r} from {path}: {e}') from e
+
+  def __contains__(self, name) -> bool:
+    return name in self._files
 
   def __iter__(self) -> Iterator[str]:
-    return iter(self._entries)
+    return iter(self._files)
 
   def __len__(self) -> int:
-    return len(self._entries)
+    return len(self._files)
 
 
-def save_file(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
-              metadata: Mapping[str, str] | None = None) -> None:
-  """Writes `tensors` (name -> array) as one safetensors file."""
-  header, offset, arrays = {}, 0, []
-  for name in sorted(tensors):
-    arr = np.ascontiguousarray(np.asarray(tensors[name]))
-    dtype = arr.dtype.newbyteorder('<') if arr.dtype.byteorder == '>' else arr.dtype
-    if dtype not in _NAMES:
-      raise ValueError(f'Tensor {name!r} has dtype {arr.dtype}, which safetensors cannot store.')
-    arr = arr.astype(dtype, copy=False)
-    header[name] = {'dtype': _NAMES[dtype], 'shape': list(arr.shape),
-                    'data_offsets': [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-    arrays.append(arr)
-  if metadata:
-    header['__metadata__'] = {str(k): str(v) for k, v in metadata.items()}
-  blob = json.dumps(header, separators=(',', ':')).encode()
-  blob += b' ' * (-len(blob) % 8)  # align the data section to 8 bytes
-  with open(path, 'wb') as f:
-    f.write(_struct.pack('<Q', len(blob)))
-    f.write(blob)
-    for arr in arrays:
-      f.write(arr.tobytes())
+__all__ = ['Tensors', 'open_file']

@@ -5,7 +5,8 @@ per local device; `read` fetches just that region from the file:
   * T5X legacy checkpoints: zarr arrays through TensorStore (`store[index].read()`), so only
     the chunks overlapping the slice are fetched and decompressed (local or gs://). Inline
     msgpack arrays are tiny (T5X keeps only small arrays inline) and are decoded whole.
-  * safetensors: the file is memory-mapped and sliced, so only the slice's bytes are read.
+  * safetensors: the `safetensors` library reads just the slice (`get_slice`) from the
+    memory-mapped file, so only the slice's bytes are read.
     Hugging Face Llama weights are `[out, in]`; the slice is mapped through the transpose
     and head reshape, still reading only the rows and columns the device needs.
 A region replicated on several local devices is read once. With `devices='global'` meshes
@@ -30,10 +31,10 @@ import jax
 import numpy as np
 
 from speclm import protocol
+from speclm import trees
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints import t5x
 from speclm.checkpoints import validate
-from speclm.models import layers
 
 Index = tuple  # a tuple of slices, one per dimension, as make_array_from_callback passes them
 
@@ -97,13 +98,12 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
   state = t5x._parse_msgpack(t5x._read_bytes(msgpack_path), msgpack_path)  # pylint: disable=protected-access
   flat = t5x._flatten(t5x._target(state, msgpack_path))  # pylint: disable=protected-access
   prefix = t5x._target_prefix(state)  # pylint: disable=protected-access
-  flat_expected = t5x._flatten_mapping(expected)  # pylint: disable=protected-access
+  flat_expected = trees.flatten(expected)
   t5x._check_names(flat_expected, flat, msgpack_path)  # pylint: disable=protected-access
   for name, leaf in flat.items():  # every zarr path inside the directory, before any read
     if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
       t5x._array_location(leaf, base_dir, f'{prefix}/{name}', msgpack_path)  # pylint: disable=protected-access
-  shardings = t5x._flatten_mapping(  # pylint: disable=protected-access
-      partitioner.param_shardings(definition, expected, role))
+  shardings = trees.flatten(partitioner.param_shardings(definition, expected, role))
   out = {}
   for name, leaf in flat.items():
     want = flat_expected[name]
@@ -122,44 +122,45 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
       read = lambda index, whole=whole: whole[index]
     out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
   validate.check_finite(out, msgpack_path, role=role)
-  return layers.unflatten(out)
+  return trees.unflatten(out)
 
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face Llama (safetensors)
 
 
-def _hf_readers(config, files: dict[str, safetensors_io.SafetensorsFile]
+def _hf_readers(config, files: safetensors_io.Tensors
                 ) -> dict[str, tuple[tuple[int, ...], Callable[[Index], np.ndarray]]]:
   """Our parameter name -> (shape, read(index)) over HF's `[out, in]` tensors."""
   c = config
   d, n, nkv, h, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
 
-  def tensor(name, shape):
+  def region(name, shape, index):
+    """The region `index` of HF tensor `name` (checked to have `shape`): only its bytes."""
     if name not in files:
       raise ValueError(f'The checkpoint lacks {name!r}.')
-    got = files[name].shape(name)
+    got = files.shape(name)
     if tuple(got) != tuple(shape):
       raise ValueError(f'{name!r} has shape {tuple(got)}, the config expects {tuple(shape)}.')
-    return files[name][name]  # a memory-mapped view: nothing is read yet
+    return files.read(name, index)
 
   def same(name, shape):
-    return shape, lambda index: tensor(name, shape)[index]
+    return shape, lambda index: region(name, shape, index)
 
   def transposed(name, shape):  # ours [in, out] = HF [out, in].T
-    return shape[::-1], lambda index: tensor(name, shape)[index[::-1]].T
+    return shape[::-1], lambda index: region(name, shape, index[::-1]).T
 
   def heads_in(name, heads):  # ours [D, heads, H] from HF [heads*H, D]
     def read(index):
       sd, sn, sh = index
-      rows = tensor(name, (heads * h, d))[sn.start * h:sn.stop * h, sd]  # [n*H, d]
+      rows = region(name, (heads * h, d), (slice(sn.start * h, sn.stop * h), sd))  # [n*H, d]
       return rows.reshape(sn.stop - sn.start, h, -1)[:, sh, :].transpose(2, 0, 1)
     return (d, heads, h), read
 
   def heads_out(name):  # ours [N, H, D] from HF [D, N*H]
     def read(index):
       sn, sh, sd = index
-      cols = tensor(name, (d, n * h))[sd, sn.start * h:sn.stop * h]  # [d, n*H]
+      cols = region(name, (d, n * h), (sd, slice(sn.start * h, sn.stop * h)))  # [d, n*H]
       return cols.reshape(-1, sn.stop - sn.start, h)[:, :, sh].transpose(1, 2, 0)
     return (n, h, d), read
 
@@ -194,17 +195,13 @@ def load_hf_llama_sharded(directory: str | os.PathLike, partitioner, role: str =
   paths = sorted(p for p in os.listdir(directory) if p.endswith('.safetensors'))
   if not paths:
     raise FileNotFoundError(f'No *.safetensors files in {directory!r}.')
-  files: dict[str, safetensors_io.SafetensorsFile] = {}
-  for path in paths:
-    handle = safetensors_io.SafetensorsFile(os.path.join(directory, path))
-    files.update({name: handle for name in handle})
+  files = safetensors_io.Tensors([os.path.join(directory, path) for path in paths])
   if not config.tie_embeddings and 'lm_head.weight' not in files:
     config = dataclasses.replace(config, tie_embeddings=True)
   definition = llama.Llama(config)
   expected = jax.eval_shape(definition.init_params, jax.random.key(0))
-  shardings = t5x._flatten_mapping(  # pylint: disable=protected-access
-      partitioner.param_shardings(definition, expected, role))
-  flat_expected = t5x._flatten_mapping(expected)  # pylint: disable=protected-access
+  shardings = trees.flatten(partitioner.param_shardings(definition, expected, role))
+  flat_expected = trees.flatten(expected)
   readers = _hf_readers(config, files)
   out = {}
   for name, want in flat_expected.items():
@@ -213,4 +210,4 @@ def load_hf_llama_sharded(directory: str | os.PathLike, partitioner, role: str =
       raise ValueError(f'{name}: checkpoint shape {shape}, config expects {want.shape}.')
     out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
   validate.check_finite(out, directory, role=role, error=ValueError)
-  return protocol.Model(definition, layers.unflatten(out))
+  return protocol.Model(definition, trees.unflatten(out))

@@ -39,8 +39,9 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
+from speclm import trees
+from speclm.checkpoints.validate import CheckpointError
 from speclm.checkpoints.validate import check_finite
-from speclm.models import layers
 
 SUPPORTED_VERSIONS = (1, 2, 3)
 WRITE_VERSION = 3
@@ -50,10 +51,6 @@ _EXT_SCALAR = 3
 DEFAULT_ZARR_MIN_BYTES = 1 << 16
 _CHUNK_TARGET_BYTES = 64 << 20
 _READ_THREADS = 8
-
-
-class CheckpointError(ValueError):
-  """A missing, truncated, corrupt or mismatched checkpoint; the message names the path."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,17 +211,9 @@ def _is_chunked(node) -> bool:
   return isinstance(node, dict) and '__msgpack_chunked_array__' in node
 
 
-def _flatten(tree: dict, prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    name = f'{prefix}/{key}' if prefix else str(key)
-    if isinstance(value, dict) and not _is_ts_spec(value) and not _is_chunked(value):
-      out.update(_flatten(value, name))
-    else:
-      out[name] = value
-  return out
-
-
+def _flatten(tree: dict) -> dict[str, Any]:
+  """A msgpack tree by parameter name; TensorStore specs and chunked arrays stay whole."""
+  return trees.flatten(tree, is_leaf=lambda node: _is_ts_spec(node) or _is_chunked(node))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +409,7 @@ def _check_names(flat_expected: Mapping[str, Any], flat_actual: Mapping[str, Any
 
 
 def _expected_flat(expected) -> dict[str, Any] | None:
-  return None if expected is None else _flatten_mapping(expected)
+  return None if expected is None else trees.flatten(expected)
 
 
 def _check_shape(name: str, got, want, source: str) -> None:
@@ -484,7 +473,7 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       want = dtype
     out[name] = _cast(arr, want)
   check_finite(out, msgpack_path, role=prefix)
-  return layers.unflatten(out)
+  return trees.unflatten(out)
 
 
 def _decode_leaf(leaf, name: str, source: str) -> np.ndarray:
@@ -567,7 +556,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   directory = os.fspath(directory)
   if not _is_gcs(directory):
     os.makedirs(directory, exist_ok=True)
-  flat = _flatten_mapping(params)
+  flat = trees.flatten(params)
   target = {}
   for name, value in flat.items():
     arr = np.asarray(jax.device_get(value))
@@ -575,7 +564,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
       target[name] = _write_zarr(arr, directory, 'target.' + name.replace('/', '.'))
     else:
       target[name] = _encode_inline(arr)
-  state = {'version': WRITE_VERSION, 'target': layers.unflatten(target),
+  state = {'version': WRITE_VERSION, 'target': trees.unflatten(target),
            'state': {'step': _encode_inline(np.asarray(step, np.int32), _EXT_SCALAR),
                      'param_states': {}}}
   _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
@@ -629,7 +618,7 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
       break
   else:
     node, prefix = tree, []
-  flat_meta = _flatten_mapping(node)
+  flat_meta = trees.flatten(node)
   flat_expected = _expected_flat(expected)
   if flat_expected is not None:
     _check_names(flat_expected, flat_meta, path)
@@ -637,8 +626,8 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
       if hasattr(meta, 'shape'):
         _check_shape(name, meta.shape, flat_expected[name].shape, path)
   restore_args = jax.tree_util.tree_map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), layers.unflatten(flat_meta))
-  item = layers.unflatten({name: np.zeros((), np.float32) for name in flat_meta})
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), trees.unflatten(flat_meta))
+  item = trees.unflatten({name: np.zeros((), np.float32) for name in flat_meta})
   for k in reversed(prefix):
     restore_args, item = {k: restore_args}, {k: item}
   try:
@@ -649,23 +638,12 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
   for k in prefix:
     restored = restored[k]
   out = {}
-  for name, arr in _flatten_mapping(restored).items():
+  for name, arr in trees.flatten(restored).items():
     want = dtype if dtype is not None else (
         flat_expected[name].dtype if flat_expected is not None else None)
     out[name] = _cast(np.asarray(arr), want)
   check_finite(out, path, role='/'.join(prefix) or None)
-  return layers.unflatten(out)
-
-
-def _flatten_mapping(tree, prefix: str = '') -> dict[str, Any]:
-  out = {}
-  for key, value in tree.items():
-    name = f'{prefix}/{key}' if prefix else str(key)
-    if isinstance(value, Mapping):
-      out.update(_flatten_mapping(value, name))
-    else:
-      out[name] = value
-  return out
+  return trees.unflatten(out)
 
 
 def load_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:

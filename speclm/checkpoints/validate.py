@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
+class CheckpointError(ValueError):
+  """A missing, truncated, corrupt or mismatched checkpoint; the message names the path."""
+
 _BLOCK = 1 << 22  # elements per host block (16 MiB of float32)
 
 
@@ -68,7 +72,6 @@ def check_finite(params, source: str, *, role: str | None = None,
       `speclm.checkpoints.CheckpointError`).
   """
   if error is None:
-    from speclm.checkpoints.t5x import CheckpointError  # pylint: disable=import-outside-toplevel
     error = CheckpointError
   for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     bad, total = _non_finite(leaf)

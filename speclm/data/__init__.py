@@ -11,7 +11,6 @@ from speclm.data.inputs import Example
 from speclm.data.inputs import bucket_width
 from speclm.data.inputs import default_buckets
 from speclm.data.inputs import encode_examples
-from speclm.data.inputs import file_dataset
 from speclm.data.inputs import make_batches
 from speclm.data.inputs import read_examples
 from speclm.data.inputs import synthetic_dataset
@@ -23,5 +22,5 @@ from speclm.data.vocab import Vocabulary
 __all__ = [
     'Batch', 'ByteVocabulary', 'DataError', 'EncodedExample', 'Example', 'FunctionVocabulary',
     'SentencePieceVocabulary', 'Vocabulary', 'bucket_width', 'default_buckets',
-    'encode_examples', 'file_dataset', 'make_batches', 'read_examples', 'synthetic_dataset',
+    'encode_examples', 'make_batches', 'read_examples', 'synthetic_dataset',
 ]

@@ -1,8 +1,8 @@
 """Datasets for decoding jobs: text files, JSONL, TSV, a synthetic test set; encoding; buckets.
 
-A *dataset provider* is any zero-argument callable returning a list of `Example`s (gin passes
-one, e.g. `run_job.dataset = @file_dataset()`); `speclm.data.seqio_tasks.seqio_dataset` is
-another. Encoding turns each example into ids with a `Vocabulary` and applies the length limit
+A *dataset provider* is any zero-argument callable returning a list of `Example`s; the job
+layer registers `read_examples` with gin as `file_dataset` (`DATASET = @file_dataset` with
+`file_dataset.path = …`), and `speclm.data.seqio_tasks.seqio_dataset` is another. Encoding turns each example into ids with a `Vocabulary` and applies the length limit
 (truncate, skip or fail, as configured). Batching pads inputs to one of a few bucket widths and
 every batch to the same number of rows, so a dataset compiles once per bucket, not once per
 length.
@@ -23,7 +23,6 @@ import os
 import random
 from typing import Iterable, Sequence
 
-import gin
 import numpy as np
 
 from speclm.data import vocab as vocab_lib
@@ -109,6 +108,9 @@ def read_examples(path: str, *, format: str = 'auto', input_field: str = 'input'
   Raises:
     DataError: the file is missing, a line is malformed, a field is missing, or ids repeat.
   """
+  if not isinstance(path, (str, os.PathLike)):
+    raise DataError(f'The dataset path must be a string, got {path!r} (strings need quotes in'
+                    ' gin: file_dataset.path = \'inputs.jsonl\').')
   if format == 'auto':
     format = _detect_format(path)
   if format not in FORMATS:
@@ -174,22 +176,10 @@ def check_unique_ids(examples: Sequence[Example], source: str = 'the dataset') -
     seen[example.id] = example.index
 
 
-@gin.configurable
-def file_dataset(path: str = gin.REQUIRED, format: str = 'auto', input_field: str = 'input',  # pylint: disable=redefined-builtin
-                 id_field: str = 'id', reference_field: str = 'reference',
-                 tsv_columns: Sequence[str] = ('input', 'reference'), input_prefix: str = '',
-                 max_examples: int | None = None) -> list[Example]:
-  """Dataset provider over a local file; `input_prefix` (e.g. 'summarize: ') starts each input."""
-  return read_examples(path, format=format, input_field=input_field, id_field=id_field,
-                       reference_field=reference_field, tsv_columns=tsv_columns,
-                       input_prefix=input_prefix, max_examples=max_examples)
-
-
 _WORDS = ('the cat sat on a mat while dogs ran in the park and birds sang over old trees near'
           ' quiet water under blue sky').split()
 
 
-@gin.configurable
 def synthetic_dataset(num_examples: int = 12, min_words: int = 2, max_words: int = 12,
                       seed: int = 0, input_prefix: str = '') -> list[Example]:
   """Short random sentences with references (their reversal); for tests and smoke runs."""

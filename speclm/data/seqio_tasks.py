@@ -8,7 +8,7 @@
                       metric ROUGE.
 
 A task that is already registered under a name (e.g. by importing T5's own `t5.data`) is left
-as it is. `seqio_dataset(task_name=…)` is the gin-configurable dataset provider: it reads a
+as it is. `seqio_dataset(task_name=…)` is a dataset provider (gin's `@seqio_dataset`): it reads a
 split of any registered task and yields `Example`s of the task's *text* inputs and targets,
 which the job then encodes with its own vocabulary (for T5, the same SentencePiece model).
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import gin
 
 from speclm.data import inputs as inputs_lib
 
@@ -115,8 +114,7 @@ def _text(value) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
 
-@gin.configurable
-def seqio_dataset(task_name: str = gin.REQUIRED, split: str = 'validation',
+def seqio_dataset(task_name: str, split: str = 'validation',
                   max_examples: int | None = None,
                   tfds_data_dir: str | None = None) -> list[inputs_lib.Example]:
   """Dataset provider: a split of a registered seqio task as `Example`s (text, in order).

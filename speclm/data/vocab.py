@@ -5,8 +5,8 @@ back into text. Anything with the small interface of `Vocabulary` works: the byt
 vocabulary here, a SentencePiece model (T5), or any tokenizer adapted with `FunctionVocabulary`
 (e.g. a SmolLM2 tokenizer: `FunctionVocabulary(tok.encode, tok.decode, vocab_size=…, eos_id=…)`).
 
-All are gin-configurable, so a run file picks one with, for example,
-`run_job.vocabulary = @SentencePieceVocabulary()`.
+The job layer (`speclm.run.providers`) registers them with gin, so a run file picks one with,
+for example, `VOCABULARY = @SentencePieceVocabulary`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import abc
 import os
 from typing import Callable, Sequence
 
-import gin
 
 
 class Vocabulary(abc.ABC):
@@ -47,7 +46,6 @@ class Vocabulary(abc.ABC):
     return ids
 
 
-@gin.configurable
 class ByteVocabulary(Vocabulary):
   """UTF-8 bytes as ids: 0 pad, 1 end, 2 unknown, byte b -> b + 3 (259 ids). For tests.
 
@@ -75,7 +73,6 @@ class ByteVocabulary(Vocabulary):
     return 'ByteVocabulary()'
 
 
-@gin.configurable
 class FunctionVocabulary(Vocabulary):
   """Adapts any tokenizer given as two functions (the seam for tokenizers of other modules)."""
 
@@ -95,7 +92,6 @@ class FunctionVocabulary(Vocabulary):
     return self._decode_fn(self._until_eos(ids))
 
 
-@gin.configurable
 class SentencePieceVocabulary(Vocabulary):
   """A SentencePiece model, as T5 uses it (pad 0, end 1, unknown 2, plus `extra_ids` sentinels).
 
@@ -106,7 +102,7 @@ class SentencePieceVocabulary(Vocabulary):
       `vocab_size`; decoding drops them.
   """
 
-  def __init__(self, path: str = gin.REQUIRED, extra_ids: int = 0):
+  def __init__(self, path: str, extra_ids: int = 0):
     import sentencepiece  # pylint: disable=g-import-not-at-top
     self.path = path
     proto = _read_bytes(path)

@@ -37,7 +37,8 @@ The cache is checked before anything in it is loaded (loading a shared object ru
     run rebuilds it).
 
 `pack_tree` adds packed copies to a whole parameter tree; `llama.pack_for_cpu` and
-`t5.pack_for_cpu` apply it to a model.
+`t5.pack_for_cpu` apply it to a model, and `packed_product` is the product of a layer whose
+parameters hold a packed copy (`llama.Kernel`, `t5.Dense`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -298,6 +300,22 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
                          jax.ShapeDtypeStruct((m, packed.shape[0] * PANEL), jnp.float32))(
                              x, packed)
   return out if out.shape[1] == n else out[:, :n]
+
+
+def packed_product(x: jax.Array, packed: jax.Array, output_shape: tuple[int, ...], dtype,
+                   input_dims: int = 1) -> jax.Array:
+  """A layer's product through `matmul`: `x [..., inputs…]` times the kernel `[inputs…,
+  outputs…]` that `pack_tree` packed (its input dims merged into one, as are its outputs).
+
+  The trailing `input_dims` axes of `x` are the product's inputs; the leading ones are rows
+  (any number). Returns `[..., *output_shape]` in `dtype`. `llama.Kernel` and `t5.Dense` use
+  it for parameters that hold a `packed` copy.
+  """
+  output_shape = tuple(output_shape)
+  lead = x.shape[:x.ndim - input_dims]
+  inputs = math.prod(x.shape[x.ndim - input_dims:])
+  y = matmul(x.reshape(-1, inputs).astype(jnp.float32), packed, math.prod(output_shape))
+  return y.reshape(lead + output_shape).astype(dtype)
 
 
 def usable(dtype) -> bool:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from speclm import protocol
+from speclm import trees
 from speclm.models import llama
 from speclm.models import subset_vocab
 
@@ -162,7 +163,7 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
                                             head_ids)
   expected = jax.eval_shape(lambda: definition.trained(definition.init_params(
       jax.random.key(0), params['embedding'], params['head_ids'])))
-  llama.check_tree_shapes(expected, definition.trained(params))
+  trees.check_tree_shapes(expected, definition.trained(params))
   if cpu_kernels and llama.cpu_kernels_usable(config.dtype):
     params = dict(params)
     params.update(llama.pack_tree_for_cpu(definition.trained(params), rounded=('head',)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -31,15 +31,3 @@ class RMSNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def unflatten(flat: Mapping[str, Any], sep: str = '/') -> dict:
-  """{'a/b/c': x} -> {'a': {'b': {'c': x}}}: a parameter tree from its joined names."""
-  tree: dict = {}
-  for name, value in flat.items():
-    node = tree
-    *parents, leaf = name.split(sep)
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = value
-  return tree

@@ -36,6 +36,7 @@ import numpy as np
 from flax import struct
 
 from speclm import protocol
+from speclm import trees
 from speclm.models import layers
 
 
@@ -160,12 +161,8 @@ class Kernel(nn.Module):
     """The same product through `cpu_matmul`: weights streamed once for any number of rows."""
     from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
     merge = self.merge_input_dims
-    lead = x.shape[:x.ndim - merge]
-    inputs = math.prod(self.shape[:merge])
-    outputs = self.shape[merge:]
-    y = cpu_matmul.matmul(x.reshape(-1, inputs).astype(jnp.float32),
-                          self.get_variable('params', 'packed'), math.prod(outputs))
-    return y.reshape(lead + outputs).astype(self.dtype)
+    return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
+                                     self.shape[merge:], self.dtype, input_dims=merge)
 
 
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
@@ -351,7 +348,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
 
   def validate_params(self, params) -> None:
     expected = jax.eval_shape(self.init_params, jax.random.key(0))
-    check_tree_shapes(expected, params)
+    trees.check_tree_shapes(expected, params)
 
   def param_logical_axes(self) -> dict:
     """Logical axis names of every parameter (a tree like the params, tuples as leaves), for
@@ -376,23 +373,6 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     """Logical axis names of the cache's arrays (`[layers, B, Nkv, L, H]` and lengths `[B]`)."""
     kv = ('layers', 'batch', 'heads', 'length', 'kv')
     return KVCache(keys=kv, values=kv, lengths=('batch',))
-
-
-def check_tree_shapes(expected, actual) -> None:
-  """Raises ValueError naming the first missing, unexpected or misshapen parameters."""
-  flat_expected = {jax.tree_util.keystr(k): v for k, v in
-                   jax.tree_util.tree_flatten_with_path(expected)[0]}
-  flat_actual = {jax.tree_util.keystr(k): v for k, v in
-                 jax.tree_util.tree_flatten_with_path(actual)[0]}
-  missing = sorted(set(flat_expected) - set(flat_actual))
-  extra = sorted(set(flat_actual) - set(flat_expected))
-  if missing or extra:
-    raise ValueError(f'Parameter tree mismatch: missing {missing[:5]}, unexpected {extra[:5]}.')
-  for name, want in flat_expected.items():
-    got = flat_actual[name]
-    if tuple(got.shape) != tuple(want.shape):
-      raise ValueError(f'Parameter {name} has shape {tuple(got.shape)}, the config expects'
-                       f' {tuple(want.shape)}.')
 
 
 def untie_head(model: protocol.Model) -> protocol.Model:

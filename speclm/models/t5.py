@@ -44,23 +44,25 @@ import math
 from typing import Any, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
 from speclm import protocol
+from speclm import trees
 from speclm.models import layers
 
 DEFAULT_VOCABULARY_PATH = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
 _ACTIVATIONS = ('relu', 'gelu', 'gelu_exact', 'silu', 'linear')
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class T5Config:
   """Hyperparameters of a T5 model; field names follow T5X's `network.T5Config`.
+
+  A plain dataclass (this module imports no gin): the job layer registers it with gin under
+  the name `speclm.models.t5.T5Config`, which the gin files in configs/models/ bind.
 
   Attributes:
     vocab_size: embedding rows (32128 for the public T5 checkpoints: 32000 SentencePiece
@@ -207,9 +209,8 @@ class Dense(nn.Module):
   def __call__(self, x):
     if self.has_variable('params', 'packed'):  # see `pack_for_cpu`
       from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-      y = cpu_matmul.matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32),
-                            self.get_variable('params', 'packed'), self.features)
-      return y.reshape(x.shape[:-1] + (self.features,)).astype(self.dtype)
+      return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
+                                       (self.features,), self.dtype)
     kernel = self.param('kernel', nn.initializers.normal(self.stddev),
                         (x.shape[-1], self.features), self.param_dtype)
     return layers.dot('...i,io->...o', x, kernel, self.dtype)
@@ -529,7 +530,7 @@ class T5(protocol.LanguageModel):
                         jnp.asarray(decoder_tokens, jnp.int32))
 
   def validate_params(self, params) -> None:
-    check_tree_shapes(self.param_shapes(), params)
+    trees.check_tree_shapes(self.param_shapes(), params)
 
   def logical_axes(self) -> dict:
     """T5X's logical axis names of every parameter: a nested dict like the params whose leaves
@@ -552,7 +553,7 @@ class T5(protocol.LanguageModel):
         return ('mlp', 'embed')
       return ('embed', 'mlp')  # mlp/wi, mlp/wi_0, mlp/wi_1
 
-    return layers.unflatten({name: axes(name) for name in flatten_names(self.param_shapes())})
+    return trees.unflatten({name: axes(name) for name in trees.flatten(self.param_shapes())})
 
   def param_logical_axes(self) -> dict:
     """`logical_axes()` under the name `speclm.partitioning` looks for."""
@@ -587,38 +588,6 @@ def _forward(definition: T5, params, inputs, input_lengths, decoder_tokens):
 _forward_jit = jax.jit(_forward, static_argnums=0)
 
 
-def flatten_names(tree, sep: str = '/') -> dict[str, Any]:
-  """A nested dict as {'encoder/layers_0/…/kernel': leaf}."""
-  out = {}
-
-  def walk(node, prefix):
-    if isinstance(node, dict) or hasattr(node, 'items'):
-      for key, value in node.items():
-        walk(value, f'{prefix}{sep}{key}' if prefix else str(key))
-    else:
-      out[prefix] = node
-
-  walk(tree, '')
-  return out
-
-
-def check_tree_shapes(expected, actual) -> None:
-  """Raises ValueError naming the first missing, unexpected or misshapen parameter."""
-  flat_expected = flatten_names(expected)
-  flat_actual = flatten_names(actual)
-  missing = sorted(set(flat_expected) - set(flat_actual))
-  extra = sorted(set(flat_actual) - set(flat_expected))
-  if missing or extra:
-    raise ValueError(f'Parameter tree mismatch: missing {missing[:5]}'
-                     f'{" …" if len(missing) > 5 else ""}, unexpected {extra[:5]}'
-                     f'{" …" if len(extra) > 5 else ""}.')
-  for name, want in flat_expected.items():
-    got = flat_actual[name]
-    if tuple(np.shape(got)) != tuple(want.shape):
-      raise ValueError(f'Parameter {name} has shape {tuple(np.shape(got))}, the config expects'
-                       f' {tuple(want.shape)}.')
-
-
 def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   """The same model with every `Dense` kernel also stored for `speclm.kernels.cpu_matmul`.
 
@@ -634,28 +603,6 @@ def pack_for_cpu(model: protocol.Model) -> protocol.Model:
   if not cpu_matmul.usable(model.definition.config.dtype):
     return model
   return protocol.Model(model.definition, cpu_matmul.pack_tree(dict(model.params)))
-
-
-@gin.configurable
-def t5_model(config: T5Config = gin.REQUIRED, checkpoint_path: str | None = None,
-             dtype: str | None = None, cpu_kernels: bool = False) -> protocol.Model:
-  """A gin-friendly T5: the definition with params restored from `checkpoint_path`.
-
-  Without a checkpoint the parameters are random (seed 0), which is only useful for tests.
-  The format is detected from the path: a Hugging Face directory (config.json), a T5X Orbax
-  checkpoint, or a legacy T5X msgpack checkpoint. `cpu_kernels` applies `pack_for_cpu` (for
-  float32 decoding on one CPU; a no-op elsewhere).
-  """
-  if dtype is not None:
-    config = dataclasses.replace(config, param_dtype=dtype, dtype=dtype)
-  definition = T5(config)
-  if checkpoint_path is None:
-    model = protocol.Model(definition, definition.init_params(jax.random.key(0)))
-  else:
-    from speclm.checkpoints import load_t5_params  # pylint: disable=g-import-not-at-top
-    params = jax.device_put(load_t5_params(checkpoint_path, definition))
-    model = protocol.Model(definition, params)
-  return pack_for_cpu(model) if cpu_kernels else model
 
 
 def tiny_config(vocab_size: int = 64, emb_dim: int = 16, num_heads: int = 2,
@@ -689,7 +636,6 @@ def count_params(config: T5Config) -> int:
 
 
 __all__: Sequence[str] = [
-    'DEFAULT_VOCABULARY_PATH', 'T5', 'T5Cache', 'T5Config', 'T5Module', 'check_tree_shapes',
-    'count_params', 'pack_for_cpu', 'random_model', 'relative_position_bucket', 't5_model',
-    'tiny_config',
+    'DEFAULT_VOCABULARY_PATH', 'T5', 'T5Cache', 'T5Config', 'T5Module', 'count_params',
+    'pack_for_cpu', 'random_model', 'relative_position_bucket', 'tiny_config',
 ]

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from speclm import protocol
+from speclm import trees
+from speclm.checkpoints import validate
 from speclm.models import eagle
-from speclm.models import layers
 from speclm.models import llama
 from speclm.models import subset_vocab
 
@@ -102,8 +103,7 @@ def read(path: str | None = None) -> tuple[dict[str, Any], np.ndarray, dict[str,
     subset_ids = f.get_tensor('subset_ids')
     flat = {name: f.get_tensor(name).view(jnp.bfloat16).astype(np.float32)
             for name in f.keys() if name != 'subset_ids'}
-  trained = layers.unflatten(flat, sep='.')
-  from speclm.checkpoints import validate  # pylint: disable=import-outside-toplevel
+  trained = trees.unflatten(flat, sep='.')
   validate.check_finite(trained, path, error=ValueError)
   return trained, subset_ids, metadata
 

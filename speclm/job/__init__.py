@@ -1,1 +1,0 @@
-"""The gin job's parts that `speclm.run` composes (the job layer: the only gin users)."""

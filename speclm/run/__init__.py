@@ -1,0 +1,62 @@
+r"""The gin-configured decoding job: `python -m speclm.run --gin_file=FILE …` (the job layer).
+
+Decodes a dataset with speculative decoding, the plain baseline, or both, and writes an output
+directory (see `speclm.outputs`): predictions.jsonl, metrics.json and the resolved config.gin.
+
+  python -m speclm.run --gin_file=test_tiny.gin --gin.OUTPUT_DIR="'/tmp/tiny'"
+  python -m speclm.run --gin_file=ende_small.gin \
+      --gin.TARGET_CHECKPOINT="'gs://…/checkpoint_1000000'" \
+      --gin.DRAFT_CHECKPOINT="'gs://…/checkpoint_1000000'" --gin.OUTPUT_DIR="'/tmp/ende'"
+
+Flags, as in T5X: `--gin_file` (repeatable; found on the search path), `--gin_bindings`
+(repeatable), `--gin.NAME=VALUE` (rewritten to the binding `NAME = VALUE`; strings need quotes:
+`--gin.OUTPUT_DIR="'/tmp/x'"`), `--gin_search_paths` (comma-separated; the current directory
+and the repository's `configs/` are always searched, after them).
+
+Modes: 'speculative', 'baseline', 'compare' (both on the same batches and seeds; the report
+says whether the outputs are identical, which greedy decoding guarantees).
+
+Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`):
+  model provider       -> `speclm.protocol.Model`  (`random_llama`, `t5_checkpoint_model`,
+                          `smollm2_model`, `ngram_draft`, `prompt_lookup_draft`,
+                          `checkpoint_model`, or any function you register with gin)
+  vocabulary provider  -> `speclm.data.Vocabulary` (`ByteVocabulary`, `SentencePieceVocabulary`,
+                          `FunctionVocabulary`), or any tokenizer with encode/decode/vocab_size
+                          (`smollm2_tokenizer`)
+  dataset provider     -> list of `speclm.data.Example` (`file_dataset`, `synthetic_dataset`,
+                          `seqio_dataset`)
+
+The package's modules:
+  cli          the command line (absl flags, exit statuses)
+  gin_cli      gin parsing shared with `python -m speclm.analysis`: --gin.NAME=VALUE, search path,
+               errors that say what to change, checkpoint paths checked first
+  providers    everything gin can name: model, vocabulary and dataset providers, settings
+  job          run_job, run_sweep, load_job: batches, decoding, resume, merging processes
+  fingerprint  what determines a job's outputs (job.json), so a resume never mixes two jobs
+  errors       JobError and its kinds
+The report (metrics.json, the summary table) is `speclm.analysis.job_metrics`.
+"""
+
+from speclm.analysis.job_metrics import compute_metrics
+from speclm.analysis.job_metrics import summary
+from speclm.run.errors import BadLogitsError
+from speclm.run.errors import Interrupted
+from speclm.run.errors import JobError
+from speclm.run.gin_cli import CONFIGS_DIR
+from speclm.run.gin_cli import parse_gin
+from speclm.run.gin_cli import rewrite_gin_args
+from speclm.run.gin_cli import search_paths
+from speclm.run.gin_cli import unset_required
+from speclm.run.job import MODES
+from speclm.run.job import load_job
+from speclm.run.job import run_job
+from speclm.run.job import run_sweep
+from speclm.run.providers import gamma_for_temperature
+from speclm.run.providers import random_llama
+from speclm.run.providers import t5_checkpoint_model
+
+__all__ = [
+    'BadLogitsError', 'CONFIGS_DIR', 'Interrupted', 'JobError', 'MODES', 'compute_metrics',
+    'gamma_for_temperature', 'load_job', 'parse_gin', 'random_llama', 'rewrite_gin_args',
+    'run_job', 'run_sweep', 'search_paths', 'summary', 't5_checkpoint_model', 'unset_required',
+]

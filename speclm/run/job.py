@@ -1,0 +1,542 @@
+"""The decoding job: `run_job` decodes a dataset into an output directory, `run_sweep` runs it
+at several temperatures, `load_job` hands a job's models and prompts to other tools.
+
+The job's steps: lock and check the output directory against the job's fingerprint
+(`speclm.run.fingerprint`), load the vocabulary, dataset and models (`speclm.run.providers`),
+accept the directory, decode batch by batch (each batch appended durably), then write the report
+(`speclm.analysis.job_metrics`). Several processes each decode their share and process 0 merges.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import gin
+import jax
+import numpy as np
+
+from speclm import decoding
+from speclm import outputs as outputs_lib
+from speclm import partitioning
+from speclm import progress as progress_lib
+from speclm import protocol
+from speclm import sampling as sampling_lib
+from speclm.analysis import job_metrics
+from speclm.analysis import measure
+from speclm.data import inputs as inputs_lib
+from speclm.data import vocab as vocab_lib
+from speclm.run import fingerprint as fingerprint_lib
+from speclm.run import providers
+from speclm.run.errors import BadLogitsError
+from speclm.run.errors import Interrupted
+from speclm.run.errors import JobError
+from speclm.run import gin_cli
+from speclm.run.gin_cli import warn
+
+MODES = tuple(job_metrics.METHODS)
+
+
+def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
+            max_new_tokens, seed, eos_id, pad_id, partitioner=None) -> decoding.DecodeResult:
+  common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
+                pad_id=pad_id, partitioner=partitioner)
+  if method == 'speculative':
+    result = decoding.speculative_decode(target, draft, batch.tokens, batch.lengths,
+                                         gamma=gamma, **common)
+  else:
+    result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
+  return jax.device_get(jax.block_until_ready(result))
+
+
+def _decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
+                  vocabulary: vocab_lib.Vocabulary, warmed: set, *, exclude_compile_time: bool,
+                  **decode_kwargs) -> tuple[list[dict[str, Any]], float]:
+  """Decodes one batch with each method (same seed); returns its records and compile time."""
+  results, times, compile_s = {}, {}, 0.0
+  for method in methods:
+    decode = functools.partial(_decode, method, target, draft, batch,
+                               eos_id=vocabulary.eos_id, pad_id=vocabulary.pad_id,
+                               **decode_kwargs)
+    key = (method, batch.tokens.shape)
+    if exclude_compile_time and key not in warmed:  # compile (and warm up) untimed
+      start = time.perf_counter()
+      decode()
+      compile_s += time.perf_counter() - start
+      warmed.add(key)
+    start = time.perf_counter()
+    results[method] = decode()
+    times[method] = time.perf_counter() - start
+  token_lists = {m: results[m].to_lists() for m in methods}
+  records = []
+  for row, item in enumerate(batch.examples):  # padding rows (past num_real) are dropped
+    record = _base_record(item)
+    record['batch'] = batch.examples[0].example.index  # rows decoded together share it
+    record['batch_rows'] = batch.num_real  # a resume redoes a batch recorded only in part
+    for method in methods:
+      record[method] = _row_record(method, results[method], row, token_lists[method][row],
+                                   vocabulary, times[method] / batch.num_real)
+    if 'baseline' in methods and 'speculative' in methods:
+      record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
+    record['output'] = record[methods[-1]]['output']
+    records.append(record)
+  return records, compile_s
+
+
+def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: list[int],
+                vocabulary: vocab_lib.Vocabulary, time_s: float) -> dict[str, Any]:
+  stats = result.stats
+  record = {
+      'output': vocabulary.decode(tokens),
+      'tokens': tokens,
+      'num_tokens': len(tokens),
+      'stop_reason': decoding.StopReason(int(result.stop_reasons[row])).name,
+      'target_calls': int(stats.target_calls_per_row[row]),
+      'time_s': time_s,
+  }
+  if method == 'speculative':
+    record.update(accepted=int(stats.accepted_per_row[row]),
+                  beta_sum=float(stats.beta_sum_per_row[row]),
+                  beta_count=int(stats.beta_count_per_row[row]))
+  return record
+
+
+ON_BAD_LOGITS = ('fail', 'warn')
+
+
+@gin.configurable(denylist=['progress_stream'])
+def run_job(*,
+            mode: str = 'speculative',
+            target: Any = gin.REQUIRED,
+            draft: Any = None,
+            vocabulary: Any = gin.REQUIRED,
+            dataset: Any = gin.REQUIRED,
+            output_dir: str = gin.REQUIRED,
+            gamma: int = 4,
+            sampling: Any = sampling_lib.GREEDY,
+            max_new_tokens: int = 64,
+            batch_size: int = 8,
+            seed: int = 0,
+            max_input_length: int = 512,
+            length_buckets: Sequence[int] | None = None,
+            on_too_long: str = 'truncate',
+            add_eos_to_inputs: bool = False,
+            max_examples: int | None = None,
+            exclude_compile_time: bool = True,
+            measure_cost: bool = True,
+            reference_metrics: Sequence[str] = ('bleu', 'rouge'),
+            show_progress: bool = True,
+            partitioner: Any = None,
+            overwrite: bool = False,
+            on_bad_logits: str = 'fail',
+            progress_stream=None) -> dict[str, Any]:
+  """Decodes a dataset and writes predictions and metrics to `output_dir`; returns the metrics.
+
+  Args:
+    mode: 'speculative', 'baseline' or 'compare'.
+    target, draft: model providers (the draft is unused by 'baseline').
+    vocabulary: a vocabulary provider; its end token stops generation.
+    dataset: a dataset provider.
+    output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
+      A directory holding a different job (any setting in its job.json fingerprint differs,
+      `speclm.job.fingerprint`) is refused before anything in it changes.
+    gamma: tokens drafted per target call (γ).
+    sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
+      0 is greedy.
+    max_new_tokens: generation limit per example.
+    batch_size: rows decoded together; short batches are padded to it.
+    seed: base seed; each batch uses seed + its first example's index, in both methods.
+    max_input_length, length_buckets, on_too_long, add_eos_to_inputs: input encoding (see
+      `speclm.data.inputs.encode_examples`); buckets default to powers of two up to the limit.
+      When the target (or draft) has a known context length, inputs are also held to that
+      context less `max_new_tokens`, by the same `on_too_long` rule.
+    max_examples: decode only the first N examples.
+    exclude_compile_time: run each new batch shape once untimed first, so wall times (and the
+      speedup) measure decoding, not XLA compilation.
+    measure_cost: time one draft step against one target step to report c (and r, the cost of
+      verifying γ+1 tokens relative to one) for Theorem 3.8's prediction.
+    reference_metrics: 'bleu' (sacrebleu) and/or 'rouge' (rouge-score), computed when the
+      examples have references and the package is installed.
+    show_progress: print a progress bar with rate and ETA.
+    partitioner: a `speclm.partitioning.Partitioner` (or a provider of one, e.g.
+      `@partitioning.Partitioner()`): models are sharded over its mesh (the draft by its draft
+      rules) and decoded with its shardings. None: one device.
+    overwrite: discard whatever outputs `output_dir` holds and decode everything anew.
+    on_bad_logits: rows that stopped on non-finite logits (`StopReason.BAD_LOGITS`) are counted
+      in metrics.json and warned about in the summary; 'fail' (default) then raises
+      `BadLogitsError` (the command exits 1), 'warn' only warns.
+
+  Several processes (after `partitioning.initialize_distributed`): process p decodes the
+  examples at positions p, p + P, p + 2P, … into `output_dir/process_<p>/`; after a barrier
+  process 0 merges every part into `output_dir/predictions.jsonl` and writes the report.
+  """
+  job_start = time.perf_counter()
+  if mode not in MODES:
+    raise JobError(f"run_job.mode must be one of {MODES}, got {mode!r}.")
+  if on_bad_logits not in ON_BAD_LOGITS:
+    raise JobError(f'run_job.on_bad_logits must be one of {ON_BAD_LOGITS}, got'
+                   f' {on_bad_logits!r}.')
+  if on_too_long not in inputs_lib.ON_TOO_LONG:
+    raise JobError(f'run_job.on_too_long must be one of {inputs_lib.ON_TOO_LONG}, got'
+                   f' {on_too_long!r}.')
+  methods = job_metrics.METHODS[mode]
+  if mode != 'baseline' and draft is None:
+    raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
+                   " @draft/random_llama), or use mode 'baseline'.")
+  if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+    raise JobError(f'γ (run_job.gamma) must be an integer >= 1, got {gamma!r}.')
+  sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
+  buckets = tuple(sorted(length_buckets)) if length_buckets else inputs_lib.default_buckets(
+      max_input_length)
+  if buckets[-1] < max_input_length:
+    raise JobError(f'The largest length bucket ({buckets[-1]}) is below max_input_length'
+                   f' ({max_input_length}); add a bucket of at least that width.')
+
+  process_index, process_count = jax.process_index(), jax.process_count()
+  job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
+                                                                _process_dir(process_index))
+  settings = {'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+              'temperature': sampling.temperature, 'top_k': sampling.top_k,
+              'top_p': sampling.top_p, 'max_new_tokens': max_new_tokens, 'seed': seed,
+              'batch_size': batch_size, 'max_input_length': max_input_length,
+              'length_buckets': list(buckets), 'on_too_long': on_too_long,
+              'add_eos_to_inputs': add_eos_to_inputs, 'max_examples': max_examples}
+
+  # 1. The output directory: locked, then checked against what the job is about to do. Nothing
+  #    in it is written until the job has accepted it (step 3).
+  try:
+    out = outputs_lib.OutputDir(job_dir)
+  except outputs_lib.OutputError as e:
+    raise JobError(str(e)) from None
+  recorded_this_run = 0
+  try:
+    if overwrite:
+      deleted = out.discard()
+      if deleted:
+        warn(f'run_job.overwrite: discarded {", ".join(deleted)} in {job_dir}.')
+    vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
+    examples = list(providers.provide(dataset, 'Reading the dataset'))
+    if max_examples is not None:
+      examples = examples[:max_examples]
+    if process_count > 1:  # this process's share; process 0 merges the parts
+      examples = examples[process_index::process_count]
+    if not examples:
+      raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
+                     ' format and filters (file_dataset.path, seqio_dataset.split,'
+                     ' run_job.max_examples).')
+    fingerprint = fingerprint_lib.job_fingerprint(settings, inputs_lib.fingerprint(examples),
+                                                  len(examples))
+    try:
+      out.check(fingerprint, partial=True)  # before the (slow) model loading
+    except outputs_lib.OutputError as e:
+      raise JobError(str(e)) from None
+
+    # 2. Models (placed in their shards when a partitioner is set).
+    if partitioner is not None:
+      partitioner = providers.provide(partitioner, 'Building the device mesh', partitioning.Partitioner)
+      if process_count > 1 and not partitioner.is_local:
+        raise JobError(
+            'partitioning.Partitioner.devices is global, but each process decodes its own'
+            ' share of the dataset; a mesh over several processes needs the same batches on'
+            " every process. Use devices = 'local' (one model replica per host).")
+    target_model = providers.provide(target, 'Loading the target model', protocol.Model,
+                            partitioner=partitioner, role='target')
+    draft_model = (providers.provide(draft, 'Loading the draft model', protocol.Model,
+                            partitioner=partitioner, role='draft')
+                   if 'speculative' in methods else None)
+    if partitioner is not None:
+      target_model = _ensure_sharded(partitioner, target_model, 'target')
+      draft_model = (None if draft_model is None
+                     else _ensure_sharded(partitioner, draft_model, 'draft'))
+    if vocabulary.vocab_size > target_model.vocab_size:
+      raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
+                     f' only {target_model.vocab_size}; they do not belong together.')
+    if draft_model is not None and draft_model.vocab_size != target_model.vocab_size:
+      raise JobError(f'The draft and target vocabularies differ ({draft_model.vocab_size} vs'
+                     f' {target_model.vocab_size} tokens); speculative decoding needs one'
+                     ' shared vocabulary.')
+    input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
+    try:
+      encoded = inputs_lib.encode_examples(
+          examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
+          add_eos=add_eos_to_inputs)
+    except inputs_lib.DataError as e:
+      raise JobError(str(e)) from None
+
+    # 3. The directory is accepted: the full fingerprint (models included) is recorded or
+    #    matched, and only now does anything in it change.
+    fingerprint.update(fingerprint_lib.model_entries({'target': target_model,
+                                                      'draft': draft_model}))
+    try:
+      done = out.resume(fingerprint)
+    except outputs_lib.OutputError as e:
+      raise JobError(str(e)) from None
+    outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
+    _report_truncation(encoded, done, input_limit, max_input_length, progress_stream)
+
+    # 4. Examples skipped by the length rule are recorded once, like decoded ones.
+    skipped = [e for e in encoded if e.skipped and e.example.index not in done]
+    if skipped:
+      out.append([_base_record(e) for e in skipped])
+    pending = [e for e in encoded if not e.skipped and e.example.index not in done]
+    batches = inputs_lib.make_batches(pending, batch_size=batch_size, buckets=buckets,
+                                      pad_id=vocabulary.pad_id)
+    num_done = len(examples) - len(pending)
+    if done:
+      print(f'Resuming {output_dir}: {len(done)} of {len(examples)} examples already recorded.',
+            file=progress_stream or sys.stderr)
+    bar = progress_lib.Progress(len(examples), initial=num_done, stream=progress_stream,
+                                enabled=show_progress,
+                                label='compare' if mode == 'compare' else methods[0])
+    warmed: set[tuple[str, tuple[int, ...]]] = set()
+    compile_s = 0.0
+    try:
+      for batch in batches:
+        records, batch_compile_s = _decode_batch(
+            batch, methods, target_model, draft_model, vocabulary, warmed,
+            exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
+            max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
+            partitioner=partitioner)
+        compile_s += batch_compile_s
+        out.append(records)
+        recorded_this_run += len(records)
+        bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
+    except KeyboardInterrupt:
+      bar.close()
+      raise Interrupted(
+          f'interrupted after {recorded_this_run} examples ({num_done + recorded_this_run} of'
+          f' {len(examples)} recorded in {job_dir}); rerun the same command to resume.'
+      ) from None
+    bar.close()
+
+    # 5. The report covers every recorded example, this run's and earlier runs'.
+    all_records = outputs_lib.read_predictions(out.predictions_path)
+    cost = None
+    if measure_cost and draft_model is not None:
+      cost = _measure_cost(target_model, draft_model, gamma=gamma, batch_size=batch_size,
+                           context_length=min(buckets[0], max_input_length))
+    metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=gamma,
+                                          sampling=sampling, cost=cost,
+                                          reference_metrics=reference_metrics)
+    metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
+                      'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
+                      'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
+                      'input_limit': input_limit,
+                      'decoded_this_run': len(pending), 'resumed_from': len(done),
+                      'output_dir': job_dir, 'process_index': process_index,
+                      'process_count': process_count}
+    if partitioner is not None:
+      metrics['job']['mesh'] = partitioner.mesh_shape
+    outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
+    outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
+  except KeyboardInterrupt:
+    raise Interrupted(f'interrupted after {recorded_this_run} examples; rerun the same command'
+                      ' to resume.') from None
+  finally:
+    out.close()
+  if process_count > 1:
+    metrics = _merge_processes(output_dir, process_index, process_count, metrics, mode=mode,
+                               gamma=gamma, sampling=sampling,
+                               reference_metrics=reference_metrics)
+  print(job_metrics.summary(metrics))
+  if metrics.get('num_bad_logits'):
+    message = (f"{metrics['num_bad_logits']} of {metrics['num_decoded']} examples stopped on"
+               ' non-finite (NaN/inf) logits (stop reason BAD_LOGITS; their outputs end before'
+               f' it). Check the checkpoints for NaN/Inf; outputs are in {output_dir}.')
+    if on_bad_logits == 'fail':
+      raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
+    warn(message)
+  return metrics
+
+
+def _input_limit(max_input_length: int, max_new_tokens: int, *models) -> int:
+  """Input tokens allowed: `max_input_length`, and the shortest model context less the new
+  tokens (models with no known context length do not limit it)."""
+  contexts = [c for m in models if m is not None
+              for c in [getattr(m.definition, 'max_context_length', None)] if c]
+  if not contexts:
+    return max_input_length
+  room = min(contexts) - max_new_tokens
+  if room < 1:
+    raise JobError(f'run_job.max_new_tokens={max_new_tokens} leaves no room for an input in'
+                   f' the model context of {min(contexts)} tokens; lower MAX_NEW_TOKENS.')
+  return min(max_input_length, room)
+
+
+def _report_truncation(encoded, done, input_limit, max_input_length, stream) -> None:
+  truncated = sum(1 for e in encoded if e.truncated and e.example.index not in done)
+  if truncated:
+    why = ('max_input_length' if input_limit == max_input_length else
+           'the model context less max_new_tokens')
+    print(f'{truncated} input(s) truncated to {input_limit} tokens ({why}).',
+          file=stream or sys.stderr)
+
+
+def _process_dir(process_index: int) -> str:
+  return f'process_{process_index:03d}'
+
+
+def _ensure_sharded(partitioner, model: protocol.Model, role: str) -> protocol.Model:
+  """The model with parameters on the partitioner's mesh (providers that took the
+  partitioner already placed them; others are sharded here from their host copy)."""
+  leaves = jax.tree.leaves(model.params)
+  mesh = partitioner.mesh
+  if all(isinstance(x, jax.Array) and getattr(x.sharding, 'mesh', None) == mesh
+         for x in leaves):
+    return model
+  return partitioner.shard_model(model, role)
+
+
+def _merge_processes(output_dir: str, process_index: int, process_count: int,
+                     metrics: dict[str, Any], **report_kwargs) -> dict[str, Any]:
+  """Process 0 gathers every process's predictions and writes the merged report.
+
+  The records travel over JAX's own collectives (`process_allgather`), not a shared file
+  system: on a TPU slice each host writes its part to its own disk (`process_<p>/`), and only
+  process 0's `output_dir` gets the merged predictions.jsonl and metrics.json.
+  """
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  own = os.path.join(output_dir, _process_dir(process_index), outputs_lib.PREDICTIONS)
+  with open(own, 'rb') as f:
+    data = np.frombuffer(f.read(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  padded = np.zeros((int(sizes.max()),), np.uint8)
+  padded[:data.size] = data
+  parts = np.asarray(multihost_utils.process_allgather(padded))  # [processes, bytes]
+  if process_index == 0:
+    records, seen = [], set()
+    for p in range(process_count):
+      text = parts[p, :int(sizes.reshape(-1)[p])].tobytes()
+      for line in text.splitlines():
+        if not line.strip():
+          continue
+        record = json.loads(line)
+        if record['index'] in seen:
+          raise JobError(f'Example {record["index"]} was decoded by two processes; the'
+                         f' process directories under {output_dir} belong to different jobs.')
+        seen.add(record['index'])
+        records.append(record)
+    records.sort(key=lambda r: r['index'])
+    outputs_lib.write_atomic(os.path.join(output_dir, outputs_lib.PREDICTIONS),
+                             ''.join(json.dumps(r, ensure_ascii=False, allow_nan=True) + '\n'
+                                     for r in records))
+    merged = job_metrics.compute_metrics(records, cost=metrics.get('cost_measurement'), **report_kwargs)
+    merged['job'] = dict(metrics['job'], output_dir=output_dir, process_index=0,
+                         merged_from=[_process_dir(p) for p in range(process_count)])
+    outputs_lib.write_json_atomic(os.path.join(output_dir, outputs_lib.METRICS), merged)
+    metrics = merged
+  multihost_utils.sync_global_devices('speclm.run: the report is written')
+  return metrics
+
+
+def _base_record(item: inputs_lib.EncodedExample) -> dict[str, Any]:
+  example = item.example
+  record = {'index': example.index, 'id': example.id, 'input': example.input,
+            'input_tokens': item.length, 'truncated': item.truncated}
+  if example.reference is not None:
+    record['reference'] = example.reference
+  if item.skipped:
+    record['skipped'] = item.skipped
+  return record
+
+
+def _measure_cost(target, draft, *, gamma, batch_size, context_length) -> dict[str, Any]:
+  estimate = measure.measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
+                                   context_length=context_length, num_steps=4, repeats=3)
+  return estimate.to_dict()
+
+
+@gin.configurable
+def job_parts(target: Any = gin.REQUIRED, draft: Any = None, vocabulary: Any = None,
+              dataset: Any = None, max_input_length: int = 512):
+  """The providers a gin job names; `load_job` binds them to the job's macros."""
+  return target, draft, vocabulary, dataset, max_input_length
+
+
+_JOB_PARTS_BINDINGS = (
+    'OUTPUT_DIR = None',  # a tool that only loads the job's parts writes no outputs
+    'job_parts.target = %TARGET', 'job_parts.draft = %DRAFT',
+    'job_parts.vocabulary = %VOCABULARY', 'job_parts.dataset = %DATASET',
+    'job_parts.max_input_length = %MAX_INPUT_LENGTH')
+
+
+def load_job(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
+             gin_search_paths: Sequence[str] = ()) -> dict[str, Any]:
+  """The target, draft and encoded prompts of a gin job (its TARGET, DRAFT, VOCABULARY,
+  DATASET and MAX_INPUT_LENGTH macros), without running it.
+
+  Returns a dict with 'target', 'draft' (`protocol.Model`s), 'prompts' `[N, P]`,
+  'prompt_lengths' `[N]` (right-padded token ids) and 'eos_id'.
+  """
+  gin_cli.parse_gin(gin_files, list(gin_bindings) + list(_JOB_PARTS_BINDINGS), gin_search_paths)
+  target, draft, vocabulary, dataset, max_input_length = job_parts()  # pylint: disable=no-value-for-parameter
+  vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
+  examples = list(providers.provide(dataset, 'Reading the dataset'))
+  if not examples:
+    raise JobError('The dataset is empty: no prompts to measure on.')
+  try:
+    encoded = [e for e in inputs_lib.encode_examples(examples, vocabulary,
+                                                     max_input_length=max_input_length)
+               if e.skipped is None]
+  except inputs_lib.DataError as e:
+    raise JobError(str(e)) from None
+  width = max(e.length for e in encoded)
+  prompts = np.full((len(encoded), width), vocabulary.pad_id, np.int32)
+  for row, item in enumerate(encoded):
+    prompts[row, :item.length] = item.ids
+  return {
+      'target': providers.provide(target, 'Loading the target model', protocol.Model),
+      'draft': None if draft is None else providers.provide(draft, 'Loading the draft model',
+                                                   protocol.Model),
+      'prompts': prompts,
+      'prompt_lengths': np.array([e.length for e in encoded], np.int32),
+      'eos_id': vocabulary.eos_id,
+  }
+
+
+@gin.configurable
+def run_sweep(temperatures: Sequence[float] = gin.REQUIRED, output_dir: str = gin.REQUIRED,
+              show_outputs: int = 0, progress_stream=None) -> dict[float, dict[str, Any]]:
+  """Runs `run_job` once per temperature, into `output_dir/temperature_<T>`.
+
+  Every other setting comes from `run_job`'s bindings; `show_outputs` prints that many decoded
+  texts of each run (the embedded demo shows a few).
+  """
+  if not temperatures:
+    raise JobError('run_sweep.temperatures is empty; give at least one, e.g. [0.0, 1.0].')
+  results, bad = {}, []
+  for temperature in temperatures:
+    sub_dir = os.path.join(output_dir, f'temperature_{temperature:g}')
+    print(f'\n=== temperature {temperature:g} -> {sub_dir}', file=progress_stream or sys.stdout)
+    try:
+      metrics = run_job(sampling=sampling_lib.SamplingConfig(  # pylint: disable=missing-kwoa
+          temperature=float(temperature)), output_dir=sub_dir, progress_stream=progress_stream)
+    except BadLogitsError as e:  # the other temperatures still run; the sweep fails at the end
+      bad.append(f'temperature {temperature:g}: {e.message}')
+      continue
+    if show_outputs:
+      method = 'speculative' if metrics['mode'] != 'baseline' else 'baseline'
+      records = sorted(outputs_lib.read_predictions(os.path.join(sub_dir,
+                                                                 outputs_lib.PREDICTIONS)),
+                       key=lambda r: r['index'])
+      for record in records[:show_outputs]:
+        if method in record:
+          print(f"\n> {record['input']}\n{record[method]['output'].strip()}",
+                file=progress_stream or sys.stdout)
+    results[float(temperature)] = metrics
+  if bad:
+    raise BadLogitsError(' '.join(bad))
+  return results
+
+
+def sweep_requested() -> bool:
+  try:
+    return gin.query_parameter('run_sweep.temperatures') is not None
+  except ValueError:
+    return False

@@ -1,0 +1,292 @@
+"""Everything gin can name in a job: providers of models, vocabularies, datasets and settings.
+
+The library below the job layer imports no gin; this module gives its pieces their gin names.
+A *provider* is a zero-argument callable that gin passes uncalled (`TARGET = @target/…`), so the
+job loads things in a fixed order and turns a user's mistake into one clear line (`provide`).
+
+  models        random_llama, t5_checkpoint_model, smollm2_model, smollm2_draft_model,
+                ngram_draft, prompt_lookup_draft, checkpoint_model (path + any loader)
+  vocabularies  ByteVocabulary, SentencePieceVocabulary, FunctionVocabulary, smollm2_tokenizer,
+                smollm2_chat_vocabulary
+  datasets      file_dataset (`speclm.data.inputs.read_examples`), synthetic_dataset,
+                seqio_dataset, builtin_prompts_dataset
+  settings      sampling_config, gamma_for_temperature, T5Config (configs/models/*.gin),
+                partitioning.Partitioner and its axis rules, partitioning.initialize_distributed
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from typing import Any, Callable
+
+import gin
+import jax
+
+from speclm import partitioning
+from speclm import protocol
+from speclm import sampling as sampling_lib
+from speclm.data import inputs as inputs_lib
+from speclm.data import seqio_tasks
+from speclm.data import vocab as vocab_lib
+from speclm.models import llama
+from speclm.models import t5
+from speclm.run import errors
+from speclm.run.errors import JobError
+
+# ----------------------------------------------------------------------------------------------
+# Gin names for definitions that live below the job layer (selectors as before the split).
+
+T5Config = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
+ByteVocabulary = gin.external_configurable(vocab_lib.ByteVocabulary, module='speclm.data.vocab')
+FunctionVocabulary = gin.external_configurable(vocab_lib.FunctionVocabulary,
+                                               module='speclm.data.vocab')
+SentencePieceVocabulary = gin.external_configurable(vocab_lib.SentencePieceVocabulary,
+                                                    module='speclm.data.vocab')
+file_dataset = gin.external_configurable(inputs_lib.read_examples, name='file_dataset',
+                                         module='speclm.data.inputs')
+synthetic_dataset = gin.external_configurable(inputs_lib.synthetic_dataset,
+                                              module='speclm.data.inputs')
+seqio_dataset = gin.external_configurable(seqio_tasks.seqio_dataset,
+                                          module='speclm.data.seqio_tasks')
+Partitioner = gin.external_configurable(partitioning.Partitioner, module='speclm.partitioning')
+standard_logical_axis_rules = gin.external_configurable(
+    partitioning.standard_logical_axis_rules, module='speclm.partitioning')
+replicated_logical_axis_rules = gin.external_configurable(
+    partitioning.replicated_logical_axis_rules, module='speclm.partitioning')
+initialize_distributed = gin.external_configurable(partitioning.initialize_distributed,
+                                                   module='speclm.partitioning')
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings and model providers
+
+
+@gin.configurable
+def sampling_config(temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0) -> sampling_lib.SamplingConfig:
+  """`speclm.SamplingConfig` from gin (temperature 0 is greedy)."""
+  return sampling_lib.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@gin.configurable
+def gamma_for_temperature(temperature: float = gin.REQUIRED, at_0: int = gin.REQUIRED,
+                          at_1: int = gin.REQUIRED) -> int:
+  """The paper's γ for this temperature (Table 2 lists γ for temperature 0 and 1 only)."""
+  if temperature == 0:
+    return at_0
+  if temperature == 1:
+    return at_1
+  raise JobError(f'The paper gives γ only for temperature 0 and 1, not {temperature}. Set γ'
+                 ' yourself with --gin.GAMMA=5 (any integer >= 1).')
+
+
+@gin.configurable
+def random_llama(vocab_size: int = 259, embed_dim: int = 32, num_layers: int = 2,
+                 num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0,
+                 dtype: str = 'float32', partitioner=None, role: str = 'target',
+                 max_position_embeddings: int | None = None) -> protocol.Model:
+  """A Llama with random weights (tests, smoke runs). Models made with the same seed share the
+  weights of the layers they have in common, so a 1-layer draft of a 2-layer target agrees
+  with it more often than an unrelated model. `max_position_embeddings`: its context length
+  (None: unlimited)."""
+  config = llama.LlamaConfig(
+      vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim, num_heads=num_heads,
+      num_kv_heads=num_kv_heads, head_dim=max(2, embed_dim // num_heads), mlp_dim=2 * embed_dim,
+      param_dtype=dtype, dtype=dtype, max_position_embeddings=max_position_embeddings)
+  definition = llama.Llama(config)
+  # One compiled initializer per definition: eager Flax init dispatches every op one by one,
+  # which costs seconds per model on a busy CPU.
+  model = protocol.Model(definition, _jit_init(definition, jax.random.key(seed)))
+  return model if partitioner is None else partitioner.shard_model(model, role)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_init(definition, rng):
+  return definition.init_params(rng)
+
+
+@gin.configurable
+def checkpoint_model(path: str = gin.REQUIRED,
+                     loader: Callable[[str], protocol.Model] = gin.REQUIRED) -> protocol.Model:
+  """Model provider for any checkpoint format: checks `path` exists, then `loader(path)`."""
+  errors.check_path(path, 'checkpoint')
+  return loader(path)
+
+
+@gin.configurable
+def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.REQUIRED,
+                        dtype: str | None = None, partitioner=None,
+                        role: str = 'target', cpu_kernels: bool = False) -> protocol.Model:
+  """A T5 (`speclm.models.t5`) restored from a T5X or Hugging Face checkpoint.
+
+  `config` is a `T5Config`, e.g. the macro `%T5_1_1_XXL` of configs/models/t5_1_1/xxl.gin;
+  scope the provider per model (`target/t5_checkpoint_model.config = %T5_1_1_XXL`) so the target
+  and the draft can differ. `dtype` (e.g. 'bfloat16') overrides the config's dtypes.
+  With the job's `partitioner` (run_job passes it), a legacy T5X checkpoint is read straight
+  into its shards (each device reads its slice); other formats are read, then sharded.
+  `cpu_kernels`: for float32 jobs on one CPU, every product through
+  `speclm.kernels.cpu_matmul` (`t5.pack_for_cpu`; a no-op elsewhere).
+  """
+  errors.check_path(checkpoint_path, 'checkpoint')
+  from speclm.checkpoints import t5x  # pylint: disable=g-import-not-at-top
+  from speclm.presets import t5 as t5_presets  # pylint: disable=g-import-not-at-top
+  try:
+    return t5_presets.load_t5(config, checkpoint_path, dtype=dtype, partitioner=partitioner,
+                              role=role, cpu_kernels=cpu_kernels)
+  except t5x.CheckpointError as e:
+    raise JobError(str(e)) from None
+
+
+@gin.configurable
+def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True) -> protocol.Model:
+  """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.presets.smollm2`).
+
+  `cpu_kernels`: every projection through `speclm.kernels.cpu_matmul` on a one-device CPU
+  job (`llama.pack_for_cpu`; a no-op elsewhere).
+  """
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  return smollm2.load_model(dtype, cpu_kernels)
+
+
+@gin.configurable
+def smollm2_tokenizer():
+  """SmolLM2's tokenizer (a `speclm.tokenizer.Tokenizer`; used as the job's vocabulary)."""
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  return smollm2.load_tokenizer()
+
+
+@gin.configurable
+def ngram_draft(path: str = gin.REQUIRED) -> protocol.Model:
+  """A unigram or bigram draft saved by `speclm.models.ngram.save`."""
+  errors.check_path(path, 'n-gram draft')
+  from speclm.models import ngram  # pylint: disable=g-import-not-at-top
+  return ngram.load(path)
+
+
+@gin.configurable
+def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
+                        min_ngram: int = 1) -> protocol.Model:
+  """The prompt-lookup (copy) draft of `speclm.models.lookup`."""
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
+  return lookup.prompt_lookup(vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
+
+
+@gin.configurable
+def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
+                        cpu_kernels: bool = True, lookup_min_ngram: int = 0) -> protocol.Model:
+  """The trained draft shipped for SmolLM2-135M (`speclm.presets.smollm2_draft`).
+
+  It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
+  `cpu_kernels`: as for `smollm2_model`. `lookup_min_ngram` n > 0: prompt lookup proposes
+  instead wherever the last n+ tokens occurred before (`speclm.models.lookup.lookup_first`);
+  the demo uses n = 2.
+  """
+  if path is not None:
+    errors.check_path(path, 'SmolLM2 draft')
+  if lookup_min_ngram < 0:
+    raise ValueError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
+  draft = smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
+  if lookup_min_ngram:
+    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
+  return draft
+
+
+@gin.configurable
+def smollm2_chat_vocabulary() -> vocab_lib.Vocabulary:
+  """SmolLM2's tokenizer with its chat template: each input is a user message."""
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  tok = smollm2.load_tokenizer()
+  return vocab_lib.FunctionVocabulary(tok.encode_chat, tok.decode, tok.vocab_size,
+                                      eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
+
+
+@gin.configurable
+def builtin_prompts_dataset(name: str = 'demo', count: int | None = None
+                            ) -> list[inputs_lib.Example]:
+  """A built-in prompt set of `speclm.data.builtin_prompts`: 'demo', 'heldout' or 'training'."""
+  from speclm.data import builtin_prompts  # pylint: disable=g-import-not-at-top
+  sets = {'demo': builtin_prompts.demo_prompts, 'heldout': builtin_prompts.heldout_prompts,
+          'training': builtin_prompts.training_prompts}
+  if name not in sets:
+    raise JobError(f'builtin_prompts_dataset.name must be one of {sorted(sets)}, got {name!r}.')
+  prompts = sets[name]() if count is None else sets[name](count)
+  return [inputs_lib.Example(index=i, id=f'{name}-{i}', input=p) for i, p in enumerate(prompts)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Calling a provider
+
+
+def as_vocabulary(obj: Any) -> vocab_lib.Vocabulary:
+  """A `Vocabulary`, or any tokenizer with encode, decode, vocab_size and eos_id, adapted."""
+  if isinstance(obj, vocab_lib.Vocabulary):
+    return obj
+  if not all(hasattr(obj, name) for name in ('encode', 'decode', 'vocab_size')):
+    raise JobError(f'The vocabulary provider returned {type(obj).__name__}, which has no'
+                   ' encode/decode/vocab_size; wrap it in FunctionVocabulary.')
+  return vocab_lib.FunctionVocabulary(obj.encode, obj.decode, obj.vocab_size,
+                                      eos_id=getattr(obj, 'eos_id', None),
+                                      pad_id=getattr(obj, 'pad_id', None) or 0)
+
+
+def _accepted_kwargs(provider: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """The entries of `kwargs` that `provider` takes as parameters (e.g. `partitioner`)."""
+  if not kwargs:
+    return {}
+  try:
+    params = inspect.signature(provider).parameters
+  except (TypeError, ValueError):
+    return {}
+  return {k: v for k, v in kwargs.items() if k in params}
+
+
+def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
+  """Calls a provider (or passes a ready object through), turning user errors into JobError.
+
+  `kwargs` (e.g. the job's partitioner and the model's role) go to providers that accept them.
+  """
+  try:
+    value = provider(**_accepted_kwargs(provider, kwargs)) if callable(provider) and not (
+        expected is not None and isinstance(provider, expected)) else provider
+  except JobError as e:
+    raise JobError(f'{what}: {e.message}') from None
+  except (FileNotFoundError, inputs_lib.DataError, ImportError) as e:
+    raise JobError(f'{what} failed: {_clean(e)}') from None
+  except TypeError as e:
+    missing = _missing_setting(e)
+    if missing is None:
+      raise
+    raise JobError(f'{what}: {missing} is not set. Set it in a gin file ({missing} = …) or on the'
+                   f' command line (--gin.{missing}=…).') from None
+  except ValueError as e:
+    raise JobError(f'{what} failed: {_first_paragraph(e)}') from None
+  if expected is not None and not isinstance(value, expected):
+    raise JobError(f'{what} returned {type(value).__name__}, expected {expected.__name__}.')
+  return value
+
+
+def _missing_setting(error: TypeError) -> str | None:
+  """'file_dataset.path' for gin's "missing 1 required positional argument: 'path'"."""
+  text = str(error)
+  missing = re.search(r"missing \d+ required (?:positional |keyword-only )?arguments?: '(\w+)'",
+                      text)
+  where = re.search(r"In call to configurable '(\w+)'", text)
+  if not missing or not where:
+    return None
+  return f'{where.group(1)}.{missing.group(1)}'
+
+
+def _clean(error: BaseException) -> str:
+  """The error's message without the lines gin appends ("In call to configurable …")."""
+  lines = [line for line in str(error).splitlines()
+           if not line.strip().startswith(('In call to configurable', 'In scope'))]
+  return '\n'.join(lines).strip()
+
+
+def _first_paragraph(error: Exception) -> str:
+  return _clean(error).split('\n\n')[0].strip()
