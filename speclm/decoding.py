@@ -228,16 +228,8 @@ def speculative_decode(
   """
   prompts, lengths, limits = _validate_common(target, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
-  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
-    raise ValueError(f'gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}.')
-  gamma = int(gamma)
-  if not isinstance(draft, protocol.Model):
-    raise TypeError(f'draft must be a speclm.protocol.Model, got {type(draft).__name__}.')
-  if draft.vocab_size != target.vocab_size:
-    raise ValueError(
-        f'The draft and target vocabularies differ: draft has {draft.vocab_size} tokens, target'
-        f' {target.vocab_size}. Speculative sampling compares their distributions token by'
-        ' token, so they must share one vocabulary.')
+  gamma = check_gamma(gamma)
+  check_pair(target, draft)
   if isinstance(draft.definition, protocol.FeatureConditionedDraft):
     if not isinstance(target.definition, protocol.FeatureSource):
       raise ValueError(
@@ -307,6 +299,25 @@ def _validate_common(model, prompt_tokens, prompt_lengths, sampling, max_new_tok
                      f' {eos_id!r}.')
   return (jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32),
           jnp.asarray(limits, jnp.int32))
+
+
+def check_gamma(gamma) -> int:
+  """γ as an int; ValueError unless it is an integer >= 1. (Jobs call it before loading.)"""
+  if isinstance(gamma, bool) or not isinstance(gamma, (int, np.integer)) or gamma < 1:
+    raise ValueError(f'gamma (tokens drafted per round) must be an integer >= 1, got {gamma!r}.')
+  return int(gamma)
+
+
+def check_pair(target: protocol.Model, draft: protocol.Model) -> None:
+  """ValueError unless `draft` can draft for `target`: one shared vocabulary (Algorithm 1
+  compares p and q token by token). Jobs call it before they write anything."""
+  if not isinstance(draft, protocol.Model):
+    raise TypeError(f'draft must be a speclm.protocol.Model, got {type(draft).__name__}.')
+  if draft.vocab_size != target.vocab_size:
+    raise ValueError(
+        f'The draft and target vocabularies differ: draft has {draft.vocab_size} tokens, target'
+        f' {target.vocab_size}. Speculative sampling compares their distributions token by'
+        ' token, so they must share one vocabulary.')
 
 
 def _check_context(definition: protocol.LanguageModel, role: str, lengths, limits) -> None:

@@ -187,8 +187,10 @@ def run_job(*,
   if mode != 'baseline' and draft is None:
     raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
                    " @draft/random_llama), or use mode 'baseline'.")
-  if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-    raise JobError(f'γ (run_job.gamma) must be an integer >= 1, got {gamma!r}.')
+  try:
+    gamma = decoding.check_gamma(gamma)
+  except ValueError as e:
+    raise JobError(f'run_job.gamma: {e}') from None
   sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
@@ -257,10 +259,11 @@ def run_job(*,
     if vocabulary.vocab_size > target_model.vocab_size:
       raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
                      f' only {target_model.vocab_size}; they do not belong together.')
-    if draft_model is not None and draft_model.vocab_size != target_model.vocab_size:
-      raise JobError(f'The draft and target vocabularies differ ({draft_model.vocab_size} vs'
-                     f' {target_model.vocab_size} tokens); speculative decoding needs one'
-                     ' shared vocabulary.')
+    if draft_model is not None:
+      try:
+        decoding.check_pair(target_model, draft_model)
+      except ValueError as e:
+        raise JobError(str(e)) from None
     input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
     try:
       encoded = inputs_lib.encode_examples(
