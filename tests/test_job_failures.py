@@ -120,7 +120,7 @@ def test_every_output_setting_is_in_the_fingerprint(tmp_path, binding, changed):
 
 
 def test_model_entry_sees_other_weights_of_the_same_shapes():
-  from speclm.job import fingerprint  # pylint: disable=g-import-not-at-top
+  from speclm.run import fingerprint  # pylint: disable=g-import-not-at-top
   first, again, other = run.random_llama(seed=0), run.random_llama(seed=0), run.random_llama(seed=1)
   assert fingerprint.model_entry(first) == fingerprint.model_entry(again)
   assert fingerprint.model_entry(first) != fingerprint.model_entry(other)
@@ -408,7 +408,8 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
 
 _KILLER = r'''
 import os, signal, sys
-from speclm import outputs, run
+from speclm import outputs
+from speclm.run import cli
 kill_at = int(os.environ.get('KILL_AT', '0'))  # the Nth write event, or
 kill_on = os.environ.get('KILL_ON', '')  # the write of a file with this name
 events = [0]
@@ -441,7 +442,7 @@ def killing_write_atomic(path, text):
 outputs.OutputDir.append = killing_append
 outputs.write_atomic = killing_write_atomic
 sys.argv = ['speclm.run'] + sys.argv[1:]
-run.run_main()
+cli.run_main()
 '''
 
 
