@@ -6,7 +6,7 @@
                      example is either fully recorded or not at all, and a resumed job decodes
                      exactly the missing ones.
   job.json           the job's fingerprint: every setting that determines an output (see
-                     `speclm.job.fingerprint`). A restart whose fingerprint differs is refused,
+                     `speclm.run.fingerprint`). A restart whose fingerprint differs is refused,
                      naming each differing setting, before anything in the directory changes.
   metrics.json       the report (written atomically at the end).
   config.gin         the resolved gin config (written atomically once the directory is

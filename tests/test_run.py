@@ -13,6 +13,7 @@ import pytest
 
 from speclm import outputs
 from speclm import run
+from speclm import sampling
 from speclm.checkpoints import t5x
 from speclm.models import t5
 from speclm.testing import scripts
@@ -99,7 +100,7 @@ def test_per_batch_prediction_follows_each_batchs_slowest_row():
   records = [record(0, 11, 3.0, 6), record(0, 6, 0.0, 0), record(4, 8, 4.5, 5)]
   cost = {'c': 0.05, 'r': 1.1}
   metrics = run.compute_metrics(records, mode='speculative', gamma=3,
-                                sampling=run.sampling_lib.GREEDY, cost=cost,
+                                sampling=sampling.GREEDY, cost=cost,
                                 reference_metrics=())
   # The rounds make each row's tokens after its first; batch 0 waits for its 10-token row.
   iterations = (theory.expected_batch_iterations([0.5, 0.0], 3, [10, 5])
@@ -110,7 +111,7 @@ def test_per_batch_prediction_follows_each_batchs_slowest_row():
   # Records from before the batch key: no such prediction, and no error.
   del records[0]['batch']
   assert run.compute_metrics(records, mode='speculative', gamma=3,
-                             sampling=run.sampling_lib.GREEDY, cost=cost,
+                             sampling=sampling.GREEDY, cost=cost,
                              reference_metrics=())['predicted_speedup_per_batch'] is None
 
 

@@ -143,7 +143,7 @@ def run_job(*,
     dataset: a dataset provider.
     output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
       A directory holding a different job (any setting in its job.json fingerprint differs,
-      `speclm.job.fingerprint`) is refused before anything in it changes.
+      `speclm.run.fingerprint`) is refused before anything in it changes.
     gamma: tokens drafted per target call (γ).
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
@@ -222,6 +222,7 @@ def run_job(*,
       deleted = out.discard()
       if deleted:
         warn(f'run_job.overwrite: discarded {", ".join(deleted)} in {job_dir}.')
+    gin_cli.check_model_paths()  # a missing checkpoint is reported before the vocabulary loads
     vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
     examples = list(providers.provide(dataset, 'Reading the dataset'))
     if max_examples is not None:
