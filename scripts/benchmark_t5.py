@@ -39,7 +39,6 @@ import dataclasses
 import os
 import time
 
-import gin
 import jax
 import numpy as np
 from absl import app
@@ -54,6 +53,7 @@ from speclm.analysis import theory
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import find
 from speclm.analysis.benchmarking import fmt
+from speclm.run import providers
 from speclm.analysis.benchmarking import median
 from speclm.analysis.benchmarking import ratio
 from speclm.models import t5
@@ -91,19 +91,8 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def size_config(size: str) -> t5.T5Config:
   """The float32 `T5Config` of a T5 1.1 size, read from `configs/models/t5_1_1/{size}.gin`."""
-  # speclm.models.t5 imports no gin: register T5Config under the name the gin files use, as
-  # the job layer does (registering the same class again is allowed).
-  try:
-    config_class = gin.get_configurable('speclm.models.t5.T5Config')
-  except ValueError:
-    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
-  gin.clear_config()
-  try:
-    gin.parse_config_file(os.path.join(_CONFIG_DIR, f'{size}.gin'))
-    with gin.config_scope(f't5_1_1_{size}'):
-      config = config_class()
-  finally:
-    gin.clear_config()
+  config = providers.t5_config_from_gin(os.path.join(_CONFIG_DIR, f'{size}.gin'),
+                                        f't5_1_1_{size}')
   return dataclasses.replace(config, dtype='float32', param_dtype='float32')
 
 

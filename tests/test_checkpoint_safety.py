@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import flax.serialization
-import gin
 import jax
 import numpy as np
 import pytest
 
 from speclm import checkpoints
+from speclm.run import providers
 from speclm import partitioning
 from speclm.checkpoints import sharded
 from speclm.checkpoints import t5x
@@ -197,20 +197,8 @@ def test_sharded_reader_refuses_dotdot_paths(tmp_path, model):
 
 
 def _tiny_definition() -> t5.T5:
-  # speclm.models.t5 imports no gin; the job layer registers T5Config under this name (the
-  # same class registered twice is allowed, so this works with or without speclm.run).
-  try:
-    config_class = gin.get_configurable('speclm.models.t5.T5Config')
-  except ValueError:
-    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
-  gin.clear_config()
-  try:
-    gin.parse_config_files_and_bindings(
-        [str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin')], [])
-    with gin.config_scope('t5_1_1_tiny'):
-      return t5.T5(config_class())
-  finally:
-    gin.clear_config()
+  return t5.T5(providers.t5_config_from_gin(
+      str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin'), 't5_1_1_tiny'))
 
 
 def _corrupt_message(role, name, source, bad, total):

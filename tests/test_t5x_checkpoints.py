@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import flax.serialization
-import gin
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
 from speclm import checkpoints
+from speclm.run import providers
 from speclm import trees
 from speclm.checkpoints import t5x
 from speclm.models import t5
@@ -29,20 +29,8 @@ needs_fixtures = pytest.mark.skipif(not TINY_CHECKPOINT.exists(),
 
 
 def _tiny_gin_config() -> t5.T5Config:
-  # speclm.models.t5 imports no gin; the job layer registers T5Config under this name (the
-  # same class registered twice is allowed, so this works with or without speclm.run).
-  try:
-    config_class = gin.get_configurable('speclm.models.t5.T5Config')
-  except ValueError:
-    config_class = gin.external_configurable(t5.T5Config, module='speclm.models.t5')
-  gin.clear_config()
-  try:
-    gin.parse_config_files_and_bindings(
-        [str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin')], [])
-    with gin.config_scope('t5_1_1_tiny'):
-      return config_class()
-  finally:
-    gin.clear_config()
+  return providers.t5_config_from_gin(
+      str(REPO / 'configs' / 'models' / 't5_1_1' / 'tiny.gin'), 't5_1_1_tiny')
 
 
 def _flat(tree):

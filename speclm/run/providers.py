@@ -59,6 +59,20 @@ initialize_distributed = gin.external_configurable(partitioning.initialize_distr
                                                    module='speclm.partitioning')
 
 
+
+
+def t5_config_from_gin(gin_file: str, scope: str) -> t5.T5Config:
+  """The `T5Config` a model gin file (configs/models/…) defines in `scope`, read on its own
+  (e.g. `t5_config_from_gin('configs/models/t5_1_1/tiny.gin', 't5_1_1_tiny')`)."""
+  gin.clear_config()
+  try:
+    gin.parse_config_file(gin_file)
+    with gin.config_scope(scope):
+      return T5Config()
+  finally:
+    gin.clear_config()
+
+
 # ----------------------------------------------------------------------------------------------
 # Settings and model providers
 
