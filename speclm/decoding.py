@@ -35,7 +35,9 @@ Shape letters: B batch, P prompt length, T output buffer, G γ, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 from typing import Sequence
 
 import jax
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from speclm import adaptive
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
@@ -73,6 +76,8 @@ class DecodeStats:
       i−1 drafts were accepted): the exact acceptance probabilities, so α = beta_sum /
       beta_count has no sampling noise (Corollary 3.6 along the decoded sequences).
     beta_sum_per_row, beta_count_per_row: `[B]` the same per row.
+    gamma_histogram: `[G+1]` how many rounds drafted (and verified) γ = 0 … G tokens; with a
+      fixed γ every round counts at G, with `adaptive.AdaptiveGamma` G is its γ_max.
   """
 
   target_calls: jax.Array
@@ -84,6 +89,7 @@ class DecodeStats:
   beta_count: jax.Array
   beta_sum_per_row: jax.Array
   beta_count_per_row: jax.Array
+  gamma_histogram: jax.Array
 
   @property
   def alpha(self) -> float:
@@ -104,7 +110,8 @@ class DecodeStats:
                accepted_histogram=jnp.zeros((gamma + 1,), jnp.int32),
                beta_sum=jnp.zeros((), jnp.float32), beta_count=zero,
                beta_sum_per_row=jnp.zeros((batch_size,), jnp.float32),
-               beta_count_per_row=zeros_b)
+               beta_count_per_row=zeros_b,
+               gamma_histogram=jnp.zeros((gamma + 1,), jnp.int32))
 
 
 @struct.dataclass
@@ -152,6 +159,13 @@ class _LoopState:
   # [B, 2, D] the target's features before prev_token and pending_token, for a
   # FeatureConditionedDraft; None for other drafts.
   draft_features: jax.Array | None = None
+  # [B] each row's decayed β sum and count, for `adaptive.AdaptiveGamma`; None otherwise.
+  evidence_sum: jax.Array | None = None
+  evidence_count: jax.Array | None = None
+  # Adaptive γ with skipping: `[]` consecutive rounds the draft sat out (γ = 0), and `[B, W]`
+  # the row's last W tokens s_{C−W} … s_{C−1} (entries before s_0 are never read).
+  skipped: jax.Array | None = None
+  recent: jax.Array | None = None
 
   @property
   def active(self) -> jax.Array:
@@ -210,7 +224,7 @@ def speculative_decode(
     prompt_tokens,
     prompt_lengths,
     *,
-    gamma: int,
+    gamma: int | adaptive.AdaptiveGamma,
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     max_new_tokens: int | Sequence[int] = 32,
     seed: int = 0,
@@ -222,14 +236,18 @@ def speculative_decode(
   """Speculative decoding (Algorithm 1): samples exactly from `target`, γ drafts per round.
 
   Same arguments as `autoregressive_decode`, plus the `draft` model (same vocabulary) and
-  `gamma` ≥ 1, the number of tokens the draft proposes per target call. With greedy sampling
+  `gamma`: the number of tokens the draft proposes per target call (an integer ≥ 1), or an
+  `adaptive.AdaptiveGamma` rule that chooses it every round, 0 … γ_max. With greedy sampling
   the output equals `autoregressive_decode(target, …)` token for token. With a `partitioner`
   the draft's parameters follow its draft rules (replicated by default).
   """
   prompts, lengths, limits = _validate_common(target, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
-  gamma = check_gamma(gamma)
+  rule = gamma if isinstance(gamma, adaptive.AdaptiveGamma) else None
+  gamma = rule.max_gamma if rule is not None else check_gamma(gamma)
   check_pair(target, draft)
+  if rule is not None and isinstance(draft.definition, protocol.FeatureConditionedDraft):
+    rule = dataclasses.replace(rule, max_skip=0)  # it reads the target's features every round
   if isinstance(draft.definition, protocol.FeatureConditionedDraft):
     if not isinstance(target.definition, protocol.FeatureSource):
       raise ValueError(
@@ -256,7 +274,8 @@ def speculative_decode(
   result = loop(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
       limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
-      jnp.int32(pad_id), gamma=gamma, sampling=sampling, buffer_length=max_new + gamma + 1,
+      jnp.int32(pad_id), gamma=gamma, rule=rule, sampling=sampling,
+      buffer_length=max_new + gamma + 1,
       target_capacity=target_capacity, draft_capacity=draft_capacity)
   return _trim(result, max_new)
 
@@ -476,56 +495,142 @@ def _prefill_feature_draft(draft_def, draft_params, prompts, lengths, features, 
       axis=1)
 
 
-def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
-                  rng):
-  """Step 1 of a round: γ draft calls -> (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows
-  with bad draft logits)."""
-  keys = jax.random.split(rng, gamma)
-
+def _draft_extender(draft_def, draft_params):
+  """The draft's `extend` as (tokens, features, cache) -> (logits, cache, the draft's predicted
+  feature `[B, 1, D]` of the last position, or None for a draft that reads no features)."""
   def extend(tokens, features, cache):
-    """-> (logits, cache, the draft's predicted feature `[B, 1, D]` of the last position or
-    None for a draft that reads no features)."""
     if features is None:
       return draft_def.extend(draft_params, tokens, cache) + (None,)
     logits, predicted, cache = draft_def.extend_with_features(draft_params, tokens, features,
                                                               cache)
     return logits, cache, predicted[:, -1:]
+  return extend
 
-  # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring),
-  # with the target's features before them for a feature-conditioned draft.
-  cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
-  logits, cache, feature = extend(jnp.stack([state.prev_token, state.pending_token], axis=1),
-                                  state.draft_features, cache)
+
+def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
+                  rng, *, rule: adaptive.AdaptiveGamma | None = None, round_gamma=None,
+                  active=None):
+  """Step 1 of a round: up to γ draft calls.
+
+  Returns (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows with bad draft logits, the
+  number of proposals made). With a fixed γ that number is γ (a Python int). With an adaptive
+  `rule` it is traced: 0 when `round_gamma` is 0, else up to `round_gamma` (or up to γ_max
+  under draft-side stopping, see `speclm.adaptive`); q̃ and x past it are zeros. The first
+  call, which reads the newest tokens, is made in every round.
+  """
+  keys = jax.random.split(rng, gamma)
+  extend = _draft_extender(draft_def, draft_params)
+
+  if state.recent is None or state.recent.shape[1] == 2:
+    # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring),
+    # with the target's features before them for a feature-conditioned draft.
+    cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
+    logits, cache, feature = extend(jnp.stack([state.prev_token, state.pending_token], axis=1),
+                                    state.draft_features, cache)
+  else:
+    # After `state.skipped` rounds without the draft (adaptive γ = 0), it is that many tokens
+    # behind: roll back to C−g and re-feed the last g = skipped + 2 tokens (one compiled
+    # width per g, chosen by `lax.switch`).
+    window = state.recent.shape[1]
+
+    def refeed(g):
+      cache = draft_def.rollback(state.draft_cache, target_lengths + 1 - g)
+      logits, cache = draft_def.extend(draft_params, state.recent[:, window - g:], cache)
+      return logits[:, -1:], cache
+
+    logits, cache = jax.lax.switch(state.skipped, [functools.partial(refeed, g)
+                                                   for g in range(2, window + 1)])
+    feature = None
   first_probs = sampling_lib.standardize(logits[:, -1], sampling)
   first_token = sampling_lib.sample(keys[0], first_probs)
   bad = _bad(logits)
 
-  def step(carry, key):
-    token, feature, cache, bad = carry
+  def propose(token, feature, cache, key):
     # Past the first proposal the true features are unknown: the draft reads its own.
     logits, cache, feature = extend(token[:, None], feature, cache)
     probs = sampling_lib.standardize(logits[:, 0], sampling)
-    next_token = sampling_lib.sample(key, probs)
-    return (next_token, feature, cache, bad | _bad(logits)), (probs, next_token)
+    return logits[:, 0], probs, sampling_lib.sample(key, probs), feature, cache
 
-  (_, _, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, feature, cache, bad),
-                                                     keys[1:])
-  draft_probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
-  draft_tokens = jnp.concatenate([first_token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
-  return draft_probs, draft_tokens, cache, bad
+  if rule is None:
+    def step(carry, key):
+      token, feature, cache, bad = carry
+      logits, probs, next_token, feature, cache = propose(token, feature, cache, key)
+      return (next_token, feature, cache, bad | _bad(logits)), (probs, next_token)
+
+    (_, _, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, feature, cache, bad),
+                                                       keys[1:])
+    draft_probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
+    draft_tokens = jnp.concatenate([first_token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
+    return draft_probs, draft_tokens, cache, bad, gamma
+
+  # Adaptive: a while loop that stops at the round's γ, or by `adaptive.keep_drafting`.
+  greedy = sampling.is_greedy
+  confidence = adaptive.draft_confidence(logits[:, -1], first_probs, greedy)
+  probs_buffer = jnp.zeros((first_probs.shape[0], gamma) + first_probs.shape[1:],
+                           first_probs.dtype).at[:, 0].set(first_probs)
+  token_buffer = jnp.zeros((first_token.shape[0], gamma), jnp.int32).at[:, 0].set(first_token)
+  # E_1 = Σ_b (1 + P_{b,1}) over active rows, P_{b,1} = a_{b,1}.
+  expected = jnp.sum(jnp.where(active, 1.0 + confidence, 0.0))
+  limit = gamma if rule.draft_stopping else round_gamma
+
+  def more(carry):
+    j, _, _, _, _, _, _, all_accepted, confidence, expected = carry
+    go = (round_gamma > 0) & (j < limit)
+    if rule.draft_stopping:
+      go &= adaptive.keep_drafting(j, expected, all_accepted, confidence, active, rule)
+    return go
+
+  def step(carry):
+    j, token, feature, cache, bad, probs_buffer, token_buffer, all_accepted, _, expected = carry
+    logits, probs, next_token, feature, cache = propose(token, feature, cache, keys[j])
+    confidence = adaptive.draft_confidence(logits, probs, greedy)
+    all_accepted = all_accepted * confidence
+    return (j + 1, next_token, feature, cache, bad | _bad(logits),
+            probs_buffer.at[:, j].set(probs), token_buffer.at[:, j].set(next_token),
+            all_accepted, confidence,
+            expected + jnp.sum(jnp.where(active, all_accepted, 0.0)))
+
+  carry = (jnp.int32(1), first_token, feature, cache, bad, probs_buffer, token_buffer,
+           confidence, confidence, expected)
+  j, _, _, cache, bad, probs_buffer, token_buffer, *_ = jax.lax.while_loop(more, step, carry)
+  num_drafted = jnp.where(round_gamma > 0, j, 0)
+  drafted = jnp.arange(gamma)[None, :] < num_drafted
+  probs_buffer = jnp.where(drafted[:, :, None], probs_buffer, 0.0)
+  return probs_buffer, jnp.where(drafted, token_buffer, 0), cache, bad, num_drafted
 
 
-def _verify(target_def, target_params, state: _LoopState, drafted, with_features: bool):
-  """Step 2 of a round: one target call on [s_{C−1}, x_1, …, x_γ] (K = γ+1).
+def _verify(target_def, target_params, state: _LoopState, drafted, with_features: bool,
+            num_drafted=None):
+  """Step 2 of a round: one target call on [s_{C−1}, x_1, …, x_k] (K = k+1 tokens).
 
-  Returns the logits `[B, K, V]` of p̃_1 … p̃_{γ+1}, the target's features `[B, K, D]` of those
-  positions for a feature-conditioned draft (None otherwise), and the target's cache.
+  Returns the logits `[B, G+1, V]` of p̃_1 … p̃_{G+1}, the target's features `[B, G+1, D]` of
+  those positions for a feature-conditioned draft (None otherwise), and the target's cache.
+  With a fixed γ, k = G. With a traced `num_drafted` k, the call has the width k+1 (one of
+  G+1 compiled widths, chosen by `lax.switch`), and the rows past it repeat the last one
+  (never read: at most k drafts are accepted).
   """
   verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
-  if with_features:
-    return target_def.extend_with_features(target_params, verified, state.target_cache)
-  logits, cache = target_def.extend(target_params, verified, state.target_cache)
-  return logits, None, cache
+  width = verified.shape[1]
+
+  def call(tokens):
+    if with_features:
+      return target_def.extend_with_features(target_params, tokens, state.target_cache)
+    logits, cache = target_def.extend(target_params, tokens, state.target_cache)
+    return logits, None, cache
+
+  if num_drafted is None:
+    return call(verified)
+
+  def pad(x):
+    return None if x is None else jnp.concatenate(
+        [x, jnp.repeat(x[:, -1:], width - x.shape[1], axis=1)], axis=1)
+
+  def verify_width(k):
+    logits, features, cache = call(verified[:, :k])
+    return pad(logits), pad(features), cache
+
+  return jax.lax.switch(num_drafted, [functools.partial(verify_width, k)
+                                      for k in range(1, width + 1)])
 
 
 def _hand_off_features(draft_features, features, n, good) -> jax.Array:
@@ -545,23 +650,38 @@ def _hand_off_features(draft_features, features, n, good) -> jax.Array:
                    draft_features)
 
 
-def _count_round(stats: DecodeStats, result: speculative.RoundResult, active,
-                 good) -> DecodeStats:
-  """Adds one speculative round to the statistics (one target call, γ draft calls).
+def _reached_beta(result: speculative.RoundResult, good, num_drafted) -> tuple[jax.Array, ...]:
+  """`[B]` Σ β and count over the drafted positions the committed sequence reached.
 
-  β = Σ_x min(p̃, q̃) (Theorem 3.5) counts at drafted positions 1 … min(n+1, γ), the ones the
-  committed sequence reached: position i counts if the first i−1 drafts were accepted, so the
-  mean of β is α (Corollary 3.6). `active` rows count the target call; only `good` rows (active
-  and without bad logits) count their n and β — a round discarded for bad logits counts as a
-  target call, nothing else.
+  β = Σ_x min(p̃, q̃) (Theorem 3.5) counts at drafted positions 1 … min(n+1, k) of a round
+  that drafted k: position i counts if the first i−1 drafts were accepted, so the mean of β
+  is α (Corollary 3.6). Only `good` rows (active, without bad logits) count.
+  """
+  gamma = result.beta.shape[1]
+  positions = jnp.arange(gamma)[None, :]
+  reached = ((positions <= result.num_accepted[:, None]) & (positions < num_drafted)
+             & good[:, None])
+  return (jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1),
+          jnp.sum(reached, axis=1).astype(jnp.int32))
+
+
+def _count_round(stats: DecodeStats, result: speculative.RoundResult, active, good,
+                 num_drafted, draft_runs=True) -> DecodeStats:
+  """Adds one speculative round that drafted `num_drafted` tokens to the statistics (one
+  target call; max(k, 1) draft calls when the draft ran, since it reads the newest tokens
+  even when it proposes none, and none when it sat the round out).
+
+  `active` rows count the target call; only `good` rows count their n and β (`_reached_beta`)
+  — a round discarded for bad logits counts as a target call, nothing else.
   """
   gamma = result.beta.shape[1]
   n = result.num_accepted
-  reached = (jnp.arange(gamma)[None, :] <= n[:, None]) & good[:, None]
-  beta_row = jnp.sum(jnp.where(reached, result.beta, 0.0), axis=1)
-  count_row = jnp.sum(reached, axis=1).astype(jnp.int32)
+  beta_row, count_row = _reached_beta(result, good, num_drafted)
   return stats.replace(
-      target_calls=stats.target_calls + 1, draft_calls=stats.draft_calls + gamma,
+      target_calls=stats.target_calls + 1,
+      draft_calls=stats.draft_calls + jnp.where(draft_runs, jnp.maximum(num_drafted, 1), 0),
+      gamma_histogram=stats.gamma_histogram + jax.nn.one_hot(num_drafted, gamma + 1,
+                                                             dtype=jnp.int32),
       target_calls_per_row=stats.target_calls_per_row + active,
       accepted_per_row=stats.accepted_per_row + jnp.where(good, n, 0),
       accepted_histogram=stats.accepted_histogram + jnp.sum(
@@ -573,7 +693,7 @@ def _count_round(stats: DecodeStats, result: speculative.RoundResult, active,
 
 
 def _speculative_loop(target_def, draft_def, target_params, draft_params, prompts, lengths,
-                      limits, rng, eos_id, pad_id, *, gamma, sampling, buffer_length,
+                      limits, rng, eos_id, pad_id, *, gamma, rule, sampling, buffer_length,
                       target_capacity, draft_capacity) -> DecodeResult:
   batch = prompts.shape[0]
   # Prefill both models; a feature-conditioned draft reads the target's prompt features.
@@ -593,6 +713,14 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
                  gamma, logits=logits, target_cache=target_cache, draft_cache=draft_cache,
                  draft_features=draft_features)
   state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+  if rule is not None:
+    state = state.replace(evidence_sum=jnp.zeros((batch,), jnp.float32),
+                          evidence_count=jnp.zeros((batch,), jnp.float32))
+    if rule.max_skip and not with_features:
+      # The window of recent tokens starts as [0 … 0, s_{C−2}, s_{C−1}].
+      recent = jnp.zeros((batch, rule.max_skip + 2), jnp.int32)
+      state = state.replace(skipped=jnp.int32(0), recent=recent.at[:, -2].set(
+          state.prev_token).at[:, -1].set(state.pending_token))
 
   def round_(state: _LoopState) -> _LoopState:
     """One round of Algorithm 1 for every row: draft, verify, accept, append."""
@@ -606,12 +734,34 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     active = state.active
     rng, draft_key, uniform_key, next_key = jax.random.split(state.rng, 4)
 
-    # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ.
-    draft_probs, drafted, draft_cache, draft_bad = _draft_tokens(
-        draft_def, draft_params, state, target_lengths, gamma, sampling, draft_key)
-    # 2. Verify: one parallel target call on [s_{C−1}, x_1, …, x_γ] gives p̃_1 … p̃_{γ+1}.
-    logits, features, target_cache = _verify(target_def, target_params, state, drafted,
-                                             with_features)
+    # 0. An adaptive rule picks this round's γ from each row's running α (`speclm.adaptive`).
+    round_gamma = None
+    if rule is not None:
+      round_gamma = adaptive.choose_gamma(
+          adaptive.running_alpha(state.evidence_sum, state.evidence_count, rule), active, rule)
+    # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ (k ≤ γ under an adaptive rule; q̃ = 0 past
+    #    k, which Algorithm 1 always rejects and then draws from p̃ itself).
+    #    When γ = 0 and the draft may still fall behind (`rule.max_skip`), it sits the round out.
+    def draft(state):
+      return _draft_tokens(draft_def, draft_params, state, target_lengths, gamma, sampling,
+                           draft_key, rule=rule, round_gamma=round_gamma, active=active)
+
+    def sit_out(state):
+      return (jnp.zeros((batch, gamma, target_def.vocab_size), jnp.float32),
+              jnp.zeros((batch, gamma), jnp.int32), state.draft_cache,
+              jnp.zeros((batch,), bool), jnp.int32(0))
+
+    draft_runs = True
+    if state.skipped is not None:
+      draft_runs = (round_gamma > 0) | (state.skipped >= state.recent.shape[1] - 2)
+      draft_probs, drafted, draft_cache, draft_bad, num_drafted = jax.lax.cond(
+          draft_runs, draft, sit_out, state)
+    else:
+      draft_probs, drafted, draft_cache, draft_bad, num_drafted = draft(state)
+    # 2. Verify: one parallel target call on [s_{C−1}, x_1, …, x_k] gives p̃_1 … p̃_{k+1}.
+    logits, features, target_cache = _verify(
+        target_def, target_params, state, drafted, with_features,
+        num_drafted=None if rule is None else num_drafted)
     target_probs = sampling_lib.standardize(logits, sampling)
     # 3. Accept n of the guesses (r < p̃(x)/q̃(x)) and draw one more token t (Algorithm 1).
     uniforms = jax.random.uniform(uniform_key, (batch, gamma))
@@ -634,12 +784,26 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
                                                 axis=1)[:, 0], state.pending_token)
 
+    if rule is not None:
+      evidence_sum, evidence_count = adaptive.update_evidence(
+          state.evidence_sum, state.evidence_count,
+          *_reached_beta(result, good, num_drafted), rule)
+      state = state.replace(evidence_sum=evidence_sum, evidence_count=evidence_count)
+    if state.skipped is not None:
+      # The last W tokens after appending new_tokens[:, :n+1] (rows that did not append keep
+      # theirs), and the count of rounds the draft sat out.
+      window = state.recent.shape[1]
+      joined = jnp.concatenate([state.recent, new_tokens], axis=1)
+      taken = jnp.take_along_axis(joined, (n + 1)[:, None] + jnp.arange(window)[None, :], axis=1)
+      state = state.replace(recent=jnp.where(good[:, None], taken, state.recent),
+                            skipped=jnp.where(draft_runs, 0, state.skipped + 1))
+
     return state.replace(
         tokens=tokens, num_generated=num_generated,
         prev_token=jnp.where(good, prev, state.prev_token),
         pending_token=jnp.where(good, result.next_token, state.pending_token),
         stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
-        stats=_count_round(state.stats, result, active, good),
+        stats=_count_round(state.stats, result, active, good, num_drafted, draft_runs),
         draft_features=(_hand_off_features(state.draft_features, features, n, good)
                         if with_features else None))
 
@@ -654,4 +818,5 @@ _autoregressive_jit = jax.jit(
     static_argnames=('sampling', 'buffer_length', 'capacity'))
 _speculative_jit = jax.jit(
     _speculative_loop, static_argnums=(0, 1),
-    static_argnames=('gamma', 'sampling', 'buffer_length', 'target_capacity', 'draft_capacity'))
+    static_argnames=('gamma', 'rule', 'sampling', 'buffer_length', 'target_capacity',
+                     'draft_capacity'))

@@ -83,10 +83,14 @@ def _reference_scores(hypotheses: list[str], references: list[str],
   return scores, notes
 
 
-def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
+def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | str,
                     sampling: sampling_lib.SamplingConfig, cost: dict[str, Any] | None = None,
                     reference_metrics: Sequence[str] = ('bleu', 'rouge')) -> dict[str, Any]:
-  """The metrics.json report from prediction records (all of the job's examples)."""
+  """The metrics.json report from prediction records (all of the job's examples).
+
+  `gamma` is the job's γ, or 'adaptive' (`speclm.adaptive`): then the fixed-γ predictions of
+  Theorem 3.8 do not apply and are left out, and `gamma_histogram` shows the γ chosen.
+  """
   methods = METHODS[mode]
   decoded = [r for r in records if 'skipped' not in r]
   notes: list[str] = []
@@ -120,6 +124,7 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
       beta_count = sum(r['beta_count'] for r in rows)
       entry['alpha'] = sum(r['beta_sum'] for r in rows) / beta_count if beta_count else None
       entry['accepted_tokens'] = sum(r['accepted'] for r in rows)
+      entry['gamma_histogram'] = _gamma_histogram(decoded, method)
     if with_refs and reference_metrics:
       scores, score_notes = _reference_scores([r[method]['output'] for r in with_refs],
                                               [r['reference'] for r in with_refs],
@@ -133,9 +138,18 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
     alpha = spec['alpha']
     metrics['alpha'] = alpha
     metrics['tokens_per_target_call'] = spec['tokens_per_target_call']
+    metrics['gamma_histogram'] = spec['gamma_histogram']
+    fixed = isinstance(gamma, int)
     metrics['expected_tokens_per_iteration'] = (
-        None if alpha is None else float(theory.expected_tokens_per_iteration(alpha, gamma)))
-    if cost is not None:
+        None if alpha is None or not fixed
+        else float(theory.expected_tokens_per_iteration(alpha, gamma)))
+    if cost is not None and not fixed:
+      metrics['c'] = cost['c']
+      metrics['r_by_gamma'] = cost['r_by_gamma']
+      metrics['cost_measurement'] = cost
+      notes.append('γ was chosen every round (adaptive): the fixed-γ Theorem 3.8 predictions'
+                   ' do not apply; gamma_histogram counts the rounds by tokens drafted.')
+    elif cost is not None:
       metrics['c'] = cost['c']
       metrics['r'] = cost['r']
       metrics['cost_measurement'] = cost
@@ -160,6 +174,19 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int,
                    ' same random draws, so identical outputs are not expected.')
   metrics['notes'] = notes
   return metrics
+
+
+def _gamma_histogram(decoded: list[dict[str, Any]], method: str) -> list[int] | None:
+  """Rounds by tokens drafted, summed over the batches (rows of a batch share its rounds)."""
+  per_batch = {}
+  for record in decoded:
+    histogram = record[method].get('gamma_histogram')
+    if histogram is not None:
+      per_batch[record.get('batch', record['index'])] = histogram
+  if not per_batch:
+    return None
+  width = max(len(h) for h in per_batch.values())
+  return [sum(h[g] for h in per_batch.values() if g < len(h)) for g in range(width)]
 
 
 def _count(values) -> dict[str, int]:
@@ -194,7 +221,10 @@ def summary(metrics: dict[str, Any]) -> str:
     rows += [('alpha (measured)', _fmt(metrics['alpha'])),
              ('tokens / target call', _fmt(metrics['tokens_per_target_call'])),
              ('c (measured)', _fmt(metrics.get('c'))),
-             ('r (measured)', _fmt(metrics.get('r'))),
+             ('r (measured)', _fmt(metrics.get('r'))
+              if 'r_by_gamma' not in metrics else
+              ' '.join(f'{r:.2f}' for r in metrics['r_by_gamma']) + '  (r(0) … r(γ_max))'),
+             ('rounds by γ', _fmt(metrics.get('gamma_histogram'))),
              ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f')),
              ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f')),
              ('  row by row, per batch', _fmt(metrics.get('predicted_speedup_per_batch'),

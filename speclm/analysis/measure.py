@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
+import os
+import platform
 import time
 from typing import Any
 
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from speclm import adaptive
 from speclm import decoding
 from speclm import protocol
 from speclm import sampling as sampling_lib
@@ -549,6 +554,83 @@ def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,
   return CostEstimate(draft_step_seconds=draft_step, target_step_seconds=target_step,
                       target_verify_seconds=target_verify, gamma=int(gamma),
                       batch_size=batch_size, context_length=context_length)
+
+
+def measure_verify_costs(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
+                         batch_size: int = 1, context_length: int = 64, num_steps: int = 8,
+                         repeats: int = 3, min_sample_seconds: float = 0.05,
+                         seed: int = 0) -> tuple[float, tuple[float, ...]]:
+  """c and r(0) … r(γ_max) for `adaptive.AdaptiveGamma`: one draft step, and target calls of
+  1 … γ_max+1 tokens, each over a one-token target call (r(0) = 1). Timed as
+  `measure_costs` times its three calls, all interleaved within each repeat."""
+  if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
+    raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')
+  kwargs = dict(batch_size=batch_size, context_length=context_length, num_steps=num_steps,
+                min_sample_seconds=min_sample_seconds, seed=seed)
+  runners = [_extend_runner(draft, num_new=1, **kwargs)] + [
+      _extend_runner(target, num_new=k, **kwargs) for k in range(1, max_gamma + 2)]
+  seconds = benchmarking.interleaved_rounds([lambda _, r=r: r.run() for r in runners], repeats)
+  per_call = [_median_per_step(s, r.num_steps) for s, r in zip(seconds, runners)]
+  step = per_call[1]
+  return per_call[0] / step, tuple(t / step for t in per_call[1:])
+
+
+def _cost_cache_key(target, draft, max_gamma, batch_size, context_length) -> str:
+  """What the timings depend on: this machine, the software, the models' definitions and
+  parameter shapes, the batch size, γ_max and the context."""
+  def shapes(model):
+    return [(str(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(model.params)]
+  description = json.dumps({
+      'machine': [platform.machine(), platform.processor(), os.cpu_count(),
+                  jax.default_backend(), [d.device_kind for d in jax.devices()]],
+      'software': [jax.__version__, platform.python_version()],
+      'target': [repr(target.definition), shapes(target)],
+      'draft': [repr(draft.definition), shapes(draft)],
+      'batch_size': batch_size, 'max_gamma': max_gamma, 'context_length': context_length,
+  }, sort_keys=True)
+  return hashlib.sha256(description.encode()).hexdigest()[:24]
+
+
+def cost_cache_dir() -> str:
+  """Where measured adaptive-γ costs are kept: `$SPECLM_COST_CACHE` or ~/.cache/speclm/costs."""
+  return os.environ.get('SPECLM_COST_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'speclm', 'costs')
+
+
+def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
+                           batch_size: int = 1, context_length: int = 64,
+                           use_cache: bool = True, **rule_kwargs) -> adaptive.AdaptiveGamma:
+  """An `adaptive.AdaptiveGamma` rule with c and r(γ) timed for these models and batch size.
+
+  The timings are cached (`cost_cache_dir()`, one JSON file per machine, model pair, batch size,
+  γ_max and context; see `_cost_cache_key`), so a job measures them once per machine. A
+  cache file that does not parse is measured again and rewritten. `rule_kwargs` go to
+  `AdaptiveGamma` (prior_alpha, prior_weight, decay, draft_stopping).
+  """
+  path = os.path.join(cost_cache_dir(), _cost_cache_key(target, draft, max_gamma, batch_size,
+                                                        context_length) + '.json')
+  costs = None
+  if use_cache and os.path.exists(path):
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+      costs = (float(saved['draft_cost']), tuple(float(r) for r in saved['verify_costs']))
+      adaptive.AdaptiveGamma(max_gamma=max_gamma, draft_cost=costs[0], verify_costs=costs[1])
+    except (OSError, ValueError, KeyError, TypeError):
+      costs = None
+  if costs is None:
+    costs = measure_verify_costs(target, draft, max_gamma=max_gamma, batch_size=batch_size,
+                                 context_length=context_length)
+    if use_cache:
+      os.makedirs(path.rsplit(os.sep, 1)[0], exist_ok=True)
+      temporary = f'{path}.{os.getpid()}.tmp'
+      with open(temporary, 'w') as f:
+        json.dump({'draft_cost': costs[0], 'verify_costs': list(costs[1]),
+                   'batch_size': batch_size, 'max_gamma': max_gamma,
+                   'context_length': context_length}, f, indent=1)
+      os.replace(temporary, path)
+  return adaptive.AdaptiveGamma(max_gamma=int(max_gamma), draft_cost=costs[0],
+                                verify_costs=costs[1], **rule_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -101,11 +101,14 @@ def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: li
   if method == 'speculative':
     record.update(accepted=int(stats.accepted_per_row[row]),
                   beta_sum=float(stats.beta_sum_per_row[row]),
-                  beta_count=int(stats.beta_count_per_row[row]))
+                  beta_count=int(stats.beta_count_per_row[row]),
+                  # Rounds of the row's batch by tokens drafted (the batch shares one γ).
+                  gamma_histogram=np.asarray(stats.gamma_histogram).tolist())
   return record
 
 
 ON_BAD_LOGITS = ('fail', 'warn')
+ADAPTIVE = 'adaptive'  # run_job.gamma for `speclm.adaptive.AdaptiveGamma`
 
 
 @gin.configurable(denylist=['progress_stream'])
@@ -116,7 +119,9 @@ def run_job(*,
             vocabulary: Any = gin.REQUIRED,
             dataset: Any = gin.REQUIRED,
             output_dir: str = gin.REQUIRED,
-            gamma: int = 4,
+            gamma: int | str = 4,
+            max_gamma: int = 8,
+            draft_stopping: bool = True,
             sampling: Any = sampling_lib.GREEDY,
             max_new_tokens: int = 64,
             batch_size: int = 8,
@@ -144,7 +149,11 @@ def run_job(*,
     output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
       A directory holding a different job (any setting in its job.json fingerprint differs,
       `speclm.run.fingerprint`) is refused before anything in it changes.
-    gamma: tokens drafted per target call (γ).
+    gamma: tokens drafted per target call (γ), or 'adaptive': γ chosen every round from the
+      running α, c and r(γ) (`speclm.adaptive`; c and r timed once per machine, model pair
+      and batch size, then cached).
+    max_gamma, draft_stopping: with gamma = 'adaptive', the largest γ, and whether the draft
+      may stop early (or go on up to max_gamma) on its own confidence.
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
     max_new_tokens: generation limit per example.
@@ -187,10 +196,14 @@ def run_job(*,
   if mode != 'baseline' and draft is None:
     raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
                    " @draft/random_llama), or use mode 'baseline'.")
+  adaptive_gamma = gamma == ADAPTIVE
   try:
-    gamma = decoding.check_gamma(gamma)
+    gamma = (ADAPTIVE if adaptive_gamma else decoding.check_gamma(gamma))
+    if adaptive_gamma:
+      decoding.check_gamma(max_gamma)
   except ValueError as e:
-    raise JobError(f'run_job.gamma: {e}') from None
+    raise JobError(f"run_job.{'max_gamma' if adaptive_gamma else 'gamma'}: {e} (gamma may"
+                   f" also be '{ADAPTIVE}').") from None
   sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
@@ -204,6 +217,8 @@ def run_job(*,
   job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
                                                                 _process_dir(process_index))
   settings = {'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+              **({'max_gamma': max_gamma, 'draft_stopping': bool(draft_stopping)}
+                 if adaptive_gamma and 'speculative' in methods else {}),
               'temperature': sampling.temperature, 'top_k': sampling.top_k,
               'top_p': sampling.top_p, 'max_new_tokens': max_new_tokens, 'seed': seed,
               'batch_size': batch_size, 'max_input_length': max_input_length,
@@ -266,6 +281,13 @@ def run_job(*,
       except ValueError as e:
         raise JobError(str(e)) from None
     input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
+    rule = None
+    if adaptive_gamma and draft_model is not None:
+      print(f'Timing c and r(γ) for adaptive γ (batch {batch_size}, γ ≤ {max_gamma}; cached'
+            ' per machine) …', file=progress_stream or sys.stderr, flush=True)
+      rule = measure.measure_adaptive_gamma(
+          target_model, draft_model, max_gamma=max_gamma, batch_size=batch_size,
+          context_length=min(buckets[0], max_input_length), draft_stopping=draft_stopping)
     try:
       encoded = inputs_lib.encode_examples(
           examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
@@ -304,7 +326,7 @@ def run_job(*,
       for batch in batches:
         records, batch_compile_s = _decode_batch(
             batch, methods, target_model, draft_model, vocabulary, warmed,
-            exclude_compile_time=exclude_compile_time, gamma=gamma, sampling=sampling,
+            exclude_compile_time=exclude_compile_time, gamma=rule or gamma, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
             partitioner=partitioner)
         compile_s += batch_compile_s
@@ -322,7 +344,11 @@ def run_job(*,
     # 5. The report covers every recorded example, this run's and earlier runs'.
     all_records = outputs_lib.read_predictions(out.predictions_path)
     cost = None
-    if measure_cost and draft_model is not None:
+    if rule is not None:
+      cost = {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
+              'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
+              'batch_size': batch_size}
+    elif measure_cost and draft_model is not None:
       cost = _measure_cost(target_model, draft_model, gamma=gamma, batch_size=batch_size,
                            context_length=min(buckets[0], max_input_length))
     metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=gamma,

@@ -1,0 +1,303 @@
+"""Adaptive γ (speclm.adaptive): the rule follows Theorem 3.8, and decoding stays exact.
+
+Greedy decoding equals the baseline token for token and sampled decoding fits the enumerated
+target distribution while γ changes from round to round — 0 included, with the draft sitting
+rounds out and catching up — and with the draft stopping on its own confidence.
+"""
+
+import io
+import json
+import os
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import speclm
+from speclm import adaptive
+from speclm import run
+from speclm import testing
+from speclm.analysis import measure
+from speclm.analysis import theory
+from speclm.models import llama
+from speclm.models import lookup
+
+VOCAB = 48
+MAX_NEW = 24
+FLAT = (1.0, 1.02, 1.04, 1.06, 1.08, 1.1)  # r(0) … r(5)
+
+
+def _rule(**kwargs):
+  kwargs = {'max_gamma': 5, 'draft_cost': 0.05, 'verify_costs': FLAT, **kwargs}
+  return adaptive.AdaptiveGamma(**kwargs)
+
+
+def _perturbed(model, scale, seed):
+  leaves, tree = jax.tree_util.tree_flatten(model.params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return speclm.Model(model.definition, jax.tree_util.tree_unflatten(
+      tree, [x + scale * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]))
+
+
+@pytest.fixture(scope='module')
+def target():
+  return llama.random_model(vocab_size=VOCAB, embed_dim=32, num_layers=2, seed=0)
+
+
+@pytest.fixture(scope='module')
+def prompts():
+  rng = np.random.RandomState(0)
+  return rng.randint(0, VOCAB, size=(4, 9)), np.array([9, 2, 5, 1])
+
+
+@pytest.fixture(scope='module')
+def baseline(target, prompts):
+  return speclm.autoregressive_decode(target, *prompts, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture
+def scheduled(monkeypatch):
+  """Replaces the rule's choice by a schedule that moves between 0 and γ_max from round to
+  round (it reads the running α, which changes every round), so skipped rounds, catch-ups
+  and forced catch-up rounds all happen."""
+  def schedule(alpha, active, rule):
+    code = jnp.floor(jnp.mean(alpha) * 998.0).astype(jnp.int32)  # starts at 499: γ > 0
+    return jnp.where(code % 3 == 0, 0, jnp.where(code % 3 == 1, 1 + code % rule.max_gamma, 0))
+  monkeypatch.setattr(adaptive, 'choose_gamma', schedule)
+  jax.clear_caches()
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+# ----------------------------------------------------------------------------------------------
+# The rule
+
+
+def test_rule_settings_are_checked():
+  with pytest.raises(ValueError, match='max_gamma'):
+    _rule(max_gamma=0)
+  with pytest.raises(ValueError, match='r\\(0\\) … r\\(5\\)'):
+    _rule(verify_costs=(1.0, 1.1))
+  with pytest.raises(ValueError, match='decay'):
+    _rule(decay=0.0)
+  with pytest.raises(ValueError, match='prior_alpha'):
+    _rule(prior_alpha=1.5)
+  with pytest.raises(ValueError, match='max_skip'):
+    _rule(max_skip=-1)
+  assert adaptive.AdaptiveGamma.from_costs(2, 0.1, [1.1, 1.2]).verify_costs == (1.0, 1.1, 1.2)
+  assert hash(_rule()) == hash(_rule())  # a static argument of the compiled loop
+
+
+@pytest.mark.parametrize('alpha', [0.1, 0.4, 0.6, 0.8, 0.95])
+@pytest.mark.parametrize('c,r', [(0.05, FLAT), (0.2, (1.0, 1.1, 1.3, 1.6, 2.0, 2.5))])
+def test_one_row_choice_maximises_theorem_3_8(alpha, c, r):
+  """For one row the choice is §3.5's argmax of (1 − α^{γ+1}) / ((1 − α)(γc + r(γ)))."""
+  rule = _rule(draft_cost=c, verify_costs=r, max_skip=0)
+  chosen = int(adaptive.choose_gamma(jnp.array([alpha]), jnp.array([True]), rule))
+  improvement = [1.0 / (c + 1.0)] + [  # γ = 0 still pays one draft call when max_skip = 0
+      float(theory.walltime_improvement(alpha, g, c, r[g])) for g in range(1, 6)]
+  assert chosen == int(np.argmax(improvement))
+
+
+def test_choice_grows_with_alpha_and_stops_when_drafting_cannot_pay():
+  rule = _rule()
+  one = jnp.array([True])
+  gammas = [int(adaptive.choose_gamma(jnp.array([a]), one, rule)) for a in (0.3, 0.6, 0.9)]
+  assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
+  # c = 2: a draft call costs two target steps; even α = 0.9 cannot pay for it (Corollary
+  # 3.9 needs α > c), so the draft sits out (it still reads the missed tokens every
+  # max_skip + 1 rounds, which the γ = 0 cost counts).
+  assert int(adaptive.choose_gamma(jnp.array([0.9]), one, _rule(draft_cost=2.0))) == 0
+  # Rows that stopped do not count: a finished row with α = 1 does not raise γ.
+  both = jnp.array([0.1, 1.0])
+  assert int(adaptive.choose_gamma(both, jnp.array([True, False]), rule)) == int(
+      adaptive.choose_gamma(both[:1], one, rule))
+
+
+def test_running_alpha_moves_from_the_prior_to_the_evidence_and_forgets():
+  rule = _rule(prior_alpha=0.5, prior_weight=2.0, decay=0.5)
+  beta_sum, count = jnp.zeros(1), jnp.zeros(1)
+  assert float(adaptive.running_alpha(beta_sum, count, rule)[0]) == pytest.approx(0.5)
+  for _ in range(10):  # ten rounds, each reaching 2 positions of β = 1
+    beta_sum, count = adaptive.update_evidence(beta_sum, count, jnp.ones(1) * 2,
+                                               jnp.array([2]), rule)
+  assert float(adaptive.running_alpha(beta_sum, count, rule)[0]) > 0.75
+  for _ in range(10):  # ten rounds without drafting: back towards the prior
+    beta_sum, count = adaptive.update_evidence(beta_sum, count, jnp.zeros(1), jnp.array([0]),
+                                               rule)
+  assert float(adaptive.running_alpha(beta_sum, count, rule)[0]) < 0.51
+
+
+def test_keep_drafting_is_the_marginal_ratio_test():
+  rule = _rule(draft_cost=0.1, verify_costs=(1.0, 1.0, 1.0, 1.0, 1.5, 2.0))
+  one = jnp.array([True])
+  # After x_1 with confidence a: E_1 = 1 + a, C_1 = c + r(1) = 1.1; one more costs 0.1.
+  for a, expected in [(0.9, True), (0.05, False)]:
+    go = adaptive.keep_drafting(jnp.int32(1), jnp.float32(1 + a), jnp.array([a]),
+                                jnp.array([a]), one, rule)
+    left, right = (1 + a + a * a) / 1.2, (1 + a) / 1.1
+    assert bool(go) == (left > right) == expected
+  # Never past γ_max.
+  assert not bool(adaptive.keep_drafting(jnp.int32(5), jnp.float32(6.0), jnp.ones(1),
+                                         jnp.ones(1), one, rule))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness
+
+
+@pytest.mark.parametrize('draft_stopping', [False, True])
+@pytest.mark.parametrize('draft_name', ['self', 'related', 'lookup_first'])
+def test_greedy_adaptive_equals_baseline(target, prompts, baseline, draft_name, draft_stopping):
+  drafts = {'self': target, 'related': _perturbed(target, 0.3, seed=1),
+            'lookup_first': lookup.lookup_first(_perturbed(target, 0.3, seed=1), min_ngram=1)}
+  result = speclm.speculative_decode(target, drafts[draft_name], *prompts,
+                                     gamma=_rule(draft_stopping=draft_stopping),
+                                     max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(result.tokens, baseline.tokens)
+  np.testing.assert_array_equal(result.lengths, baseline.lengths)
+  histogram = np.asarray(result.stats.gamma_histogram)
+  assert histogram.shape == (6,)
+  assert histogram.sum() == int(result.stats.target_calls) - 1  # every round, once
+  if draft_name == 'self':
+    assert result.stats.alpha == pytest.approx(1.0)
+    if not draft_stopping:  # (the random draft's confidence is low: it stops early)
+      assert histogram[3:].sum() > 0  # α = 1: long proposals
+
+
+def test_skipped_rounds_keep_the_draft_in_step(target, prompts, baseline, scheduled):
+  """A draft that sat rounds out and caught up proposes exactly what a draft that read every
+  round proposes (same γ schedule): same β, same acceptances. With the draft = the target,
+  any state out of step would also show as α < 1."""
+  for draft in (target, lookup.lookup_first(_perturbed(target, 0.3, seed=1), min_ngram=1)):
+    skipping, reading = (speclm.speculative_decode(target, draft, *prompts,
+                                                    gamma=_rule(max_skip=skip),
+                                                    max_new_tokens=MAX_NEW)
+                         for skip in (2, 0))
+    for result in (skipping, reading):
+      np.testing.assert_array_equal(result.tokens, baseline.tokens)
+    histogram = np.asarray(skipping.stats.gamma_histogram)
+    assert histogram[0] >= 1 and histogram[1:].sum() >= 2, histogram
+    np.testing.assert_array_equal(histogram, reading.stats.gamma_histogram)
+    np.testing.assert_array_equal(skipping.stats.accepted_histogram,
+                                  reading.stats.accepted_histogram)
+    np.testing.assert_allclose(skipping.stats.beta_sum_per_row,
+                               reading.stats.beta_sum_per_row, rtol=1e-5)
+    if draft is target:
+      assert skipping.stats.alpha == pytest.approx(1.0)
+    # Rounds with k ≥ 1 made k draft calls; of the γ = 0 rounds only the catch-up ones (at
+    # most every third with max_skip = 2) made one: the others sat out.
+    proposals = 1 + int(np.sum(np.arange(6) * histogram))  # the prefill + every proposal
+    assert proposals <= int(skipping.stats.draft_calls) < proposals + histogram[0]
+    assert int(reading.stats.draft_calls) == proposals + histogram[0]
+
+
+def test_skipping_off_means_the_draft_reads_every_round(target, prompts, baseline, scheduled):
+  result = speclm.speculative_decode(target, target, *prompts, gamma=_rule(max_skip=0),
+                                     max_new_tokens=MAX_NEW)
+  np.testing.assert_array_equal(result.tokens, baseline.tokens)
+  stats = result.stats
+  assert np.asarray(stats.gamma_histogram)[0] > 0
+  assert int(stats.draft_calls) >= int(stats.target_calls)
+
+
+SMALL_VOCAB = 6
+PROMPT = np.array([3, 1, 4, 1, 5], np.int32)
+SAMPLES = 20_000
+
+
+@pytest.fixture(scope='module')
+def small():
+  target = llama.random_model(vocab_size=SMALL_VOCAB, embed_dim=16, num_layers=2, seed=21,
+                              num_heads=2, num_kv_heads=1)
+  return target, _perturbed(target, 0.5, seed=9)
+
+
+def _fits(target, draft, rule, sampling, seed=1, new_tokens=4):
+  forward = jax.jit(target.definition.forward)
+
+  def teacher_forced(continuations):
+    seqs = np.concatenate([np.tile(PROMPT, (continuations.shape[0], 1)), continuations], axis=1)
+    return np.asarray(forward(target.params, seqs)[:, len(PROMPT) - 1:-1])
+
+  _, probs = testing.exact_continuation_distribution(teacher_forced, SMALL_VOCAB, new_tokens,
+                                                     sampling)
+  result = speclm.speculative_decode(
+      target, draft, np.tile(PROMPT, (SAMPLES, 1)), np.full((SAMPLES,), len(PROMPT)),
+      gamma=rule, sampling=sampling, max_new_tokens=new_tokens, seed=seed)
+  tokens = np.asarray(result.tokens)
+  return testing.chi_square_pvalue(testing.sequence_ids(tokens, SMALL_VOCAB), probs), result
+
+
+@pytest.mark.parametrize('sampling', [speclm.SamplingConfig(temperature=1.0),
+                                      speclm.SamplingConfig(temperature=0.7, top_k=3)],
+                         ids=['t1', 't0.7_top3'])
+def test_sampled_adaptive_fits_the_exact_distribution(small, sampling, scheduled):
+  """γ changes between rounds (0 included, the draft sitting rounds out) under one sampler."""
+  target, draft = small
+  pvalue, result = _fits(target, draft, _rule(max_gamma=3, verify_costs=FLAT[:4], max_skip=1),
+                         sampling)
+  assert pvalue > 1e-3, pvalue
+  histogram = np.asarray(result.stats.gamma_histogram)
+  assert histogram[0] > 0 and histogram[1:].sum() > 0, histogram
+
+
+def test_sampled_draft_stopping_fits_the_exact_distribution(small):
+  """The draft stops on its own confidence (which depends on what it drew) — still exact."""
+  target, draft = small
+  pvalue, result = _fits(target, draft, _rule(max_gamma=3, verify_costs=FLAT[:4],
+                                              draft_stopping=True, draft_cost=0.3),
+                         speclm.SamplingConfig(temperature=1.0))
+  assert pvalue > 1e-3, pvalue
+  assert np.asarray(result.stats.accepted_histogram)[1:].sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Costs and the job
+
+
+def test_measured_costs_are_cached(tmp_path, monkeypatch, target):
+  monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path))
+  draft = _perturbed(target, 0.3, seed=1)
+  rule = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8,
+                                        draft_stopping=True)
+  assert rule.verify_costs[0] == 1.0 and len(rule.verify_costs) == 3
+  assert rule.draft_cost > 0 and rule.draft_stopping
+  (saved,) = os.listdir(tmp_path)
+  with open(tmp_path / saved) as f:
+    assert json.load(f)['verify_costs'] == list(rule.verify_costs)
+  # A second call reads the file instead of timing again.
+  monkeypatch.setattr(measure, 'measure_verify_costs',
+                      lambda *a, **k: pytest.fail('measured again'))
+  again = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
+  assert again.verify_costs == rule.verify_costs
+
+
+def _run_tiny(output_dir, *bindings):
+  gin.clear_config()
+  try:
+    run.parse_gin(['test_tiny.gin'], [f"OUTPUT_DIR = '{output_dir}'", *bindings])
+    return run.run_job(progress_stream=io.StringIO())  # pylint: disable=missing-kwoa
+  finally:
+    gin.clear_config()
+
+
+def test_job_with_adaptive_gamma_reports_the_gamma_histogram(tmp_path, monkeypatch):
+  monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path / 'costs'))
+  metrics = _run_tiny(tmp_path / 'out', "GAMMA = 'adaptive'", 'run_job.max_gamma = 3')
+  assert metrics['gamma'] == 'adaptive'
+  assert metrics['identical_output_rate'] == 1.0
+  histogram = metrics['gamma_histogram']
+  assert len(histogram) == 4 and sum(histogram) > 0
+  assert len(metrics['r_by_gamma']) == 4 and metrics['c'] > 0
+  assert metrics.get('predicted_speedup_theorem_3_8') is None  # a fixed-γ formula
+  with open(tmp_path / 'out' / 'job.json') as f:
+    assert '"settings.max_gamma": 3' in f.read()
+
+
+def test_job_refuses_a_bad_gamma(tmp_path):
+  with pytest.raises(run.JobError, match="adaptive"):
+    _run_tiny(tmp_path, "GAMMA = 'adaptiv'")
