@@ -26,6 +26,13 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
       3. accept (`speculative.speculative_round`) -> n accepted and one more token t.
       4. append: the target cache keeps C−1+n+1 positions (rollback = lowering a length);
          x_1…x_n, t are appended and t becomes pending.
+  * Adaptive γ (`gamma=adaptive.AdaptiveGamma(...)`): before step 1 the rule picks the round's
+    γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
+    k ≤ γ_max tokens (a while loop; q̃ = 0 past k, which Algorithm 1 always rejects before
+    drawing from p̃ itself), and the target verifies k+1 tokens, one of γ_max+1 compiled
+    widths chosen by `lax.switch`. When γ = 0 the draft may sit the round out (`lax.cond`);
+    it then keeps the last W tokens (`recent`) and, when it next runs, rolls back to C−g and
+    re-feeds the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}].
     Two bookkeeping helpers finish the round: `_count_round` adds it to the statistics (β sums
     and counts, the acceptance histogram, call counts) and `_hand_off_features` gives a
     feature-conditioned draft the target's features for the next round's re-feed.

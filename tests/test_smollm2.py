@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import speclm
+from speclm.kernels import cpu_matmul
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.models import ngram
@@ -117,8 +118,9 @@ def test_chat_template_renders_a_user_message(smol):
 def test_logits_and_tokens_match_hugging_face(smol, batch):
   """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits.
 
-  The model as the demo runs it (`llama.pack_for_cpu`: every product through
-  `speclm.kernels.cpu_matmul`) meets the issue's bound, max |diff| < 1e-4. The plain model
+  The model as the demo runs it (`llama.pack_for_cpu`: products of up to 16 rows through
+  `speclm.kernels.cpu_matmul`, longer prompts through XLA) meets the issue's bound,
+  max |diff| < 1e-4, where the kernel multiplies. The plain model
   multiplies with XLA's CPU dots, which sum each output in one float32 running total; on this
   30-layer model that rounding alone moves logits (of size 20-40) by ~1.5e-4, most at the
   first position, whose "massive activations" reach 2e4 (docs/performance.md, "Accuracy").
@@ -148,12 +150,20 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
   theirs = [hf_logits(x) for x in inputs]
   packed = llama.pack_for_cpu(model)
   assert 'packed' in packed.params['layers_0']['mlp']['down'], 'the CPU kernel did not build'
-  for candidate, max_bound, mean_bound in ((packed, 1e-4, 2e-5), (model, 2e-4, 3e-5)):
-    forward = jax.jit(candidate.definition.forward)
-    for x, reference in zip(inputs, theirs):
-      difference = np.abs(np.asarray(forward(candidate.params, x)) - reference)
-      assert difference.max() < max_bound, (candidate is packed, difference.max())
-      assert difference.mean() < mean_bound, (candidate is packed, difference.mean())
+  forward = jax.jit(model.definition.forward)
+  forward_packed = jax.jit(packed.definition.forward)
+  for x, reference in zip(inputs, theirs):
+    difference = np.abs(np.asarray(forward(model.params, x)) - reference)
+    assert difference.max() < 2e-4 and difference.mean() < 3e-5, difference.max()
+    # The kernel takes products of up to cpu_matmul.MAX_KERNEL_ROWS rows (decode steps,
+    # verification): one row at a time, its first 16 positions (causal: the same logits).
+    for row in range(x.shape[0]):
+      short = x[row:row + 1, :cpu_matmul.MAX_KERNEL_ROWS]
+      difference = np.abs(np.asarray(forward_packed(packed.params, short))
+                          - reference[row:row + 1, :short.shape[1]])
+      assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
+    # Longer inputs (prefill) take XLA's product of the same weights: the plain model's logits.
+    np.testing.assert_array_equal(forward_packed(packed.params, x), forward(model.params, x))
 
 
 def test_baseline_gives_text(smol, baseline):

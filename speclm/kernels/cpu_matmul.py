@@ -302,6 +302,20 @@ def matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:
   return out if out.shape[1] == n else out[:, :n]
 
 
+# Up to this many rows (batch × tokens) a product streams the packed panels; above it XLA's own
+# matrix-matrix kernel is as fast or faster, so prompts (prefill) take XLA's product and
+# decode steps and verification calls the kernel. On SmolLM2 (2 cores, one run, medians of 5):
+# a whole prefill of 4 / 8 / 12 / 16 / 24 / 64 / 448 tokens took 68 / 83 / 68 / 149 / 228 /
+# 577 / 4378 ms through the kernel and 99 / 104 / 73 / 128 / 155 / 243 / 1955 ms through XLA,
+# while batch-8 verification (16 rows) is faster through the kernel (docs/benchmarks.md).
+MAX_KERNEL_ROWS = 16
+
+
+def serves(rows: int) -> bool:
+  """Whether a product of `rows` rows (static) goes through the packed kernel."""
+  return rows <= MAX_KERNEL_ROWS
+
+
 def packed_product(x: jax.Array, packed: jax.Array, output_shape: tuple[int, ...], dtype,
                    input_dims: int = 1) -> jax.Array:
   """A layer's product through `matmul`: `x [..., inputs…]` times the kernel `[inputs…,

@@ -147,7 +147,7 @@ class Kernel(nn.Module):
   @nn.compact
   def __call__(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
-    if self.has_variable('params', 'packed'):
+    if self.has_variable('params', 'packed') and _kernel_serves(x, self.merge_input_dims):
       return self._packed_product(x)
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
     if self.merge_input_dims > 1:
@@ -163,6 +163,13 @@ class Kernel(nn.Module):
     merge = self.merge_input_dims
     return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
                                      self.shape[merge:], self.dtype, input_dims=merge)
+
+
+def _kernel_serves(x, input_dims: int) -> bool:
+  """Whether the packed kernel takes this product: few rows (decode steps, verification);
+  long prompts go to XLA's product of the plain kernel kept beside the packed copy."""
+  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+  return cpu_matmul.serves(math.prod(x.shape[:x.ndim - input_dims]))
 
 
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)

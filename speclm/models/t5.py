@@ -207,8 +207,9 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    if self.has_variable('params', 'packed'):  # see `pack_for_cpu`
-      from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+    from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+    # See `pack_for_cpu`: few rows stream the packed copy, long inputs take XLA's product.
+    if self.has_variable('params', 'packed') and cpu_matmul.serves(math.prod(x.shape[:-1])):
       return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
                                        (self.features,), self.dtype)
     kernel = self.param('kernel', nn.initializers.normal(self.stddev),
