@@ -4,7 +4,9 @@ In one process, interleaved round by round (every case runs once per round, so s
 a noisy machine hits all cases alike), on the built-in demo prompts:
 
   * speclm's baseline (`autoregressive_decode`) and speculative decoding (`speculative_decode`)
-    at batch 1 and batch 8, temperature 0 and 1;
+    at batch 1 and batch 8, temperature 0 and 1, with a fixed γ and with adaptive γ
+    (`speclm.adaptive`: γ chosen every round from the running α and the c and r(γ) timed for
+    that batch size), side by side; and the time to the first token (prefill);
   * Hugging Face transformers `generate()` and assisted generation
     (`generate(assistant_model=…)`, γ fixed to ours) on the same float32 weights, PyTorch on
     CPU; our draft is exported as a `LlamaForCausalLM` whose logits are −inf off its subset
@@ -22,14 +24,25 @@ It prints the table and ratios and writes `docs/benchmarks.md` (never edit that 
 
   python scripts/benchmark.py                       # the full run (about 20 minutes here)
   python scripts/benchmark.py --rounds=1 --max_new_tokens=16 --output=/tmp/b.md  # a smoke run
+
+Workloads: `--workload=demo` (default) decodes the 8 built-in demo prompts. `--workload=
+spec_bench --spec_bench_file=question.jsonl` decodes Spec-Bench's prompts (the public
+benchmark of Xia et al., 2024: MT-bench, translation, summarization, QA, math, RAG; its
+`data/spec_bench/question.jsonl` is Apache-2.0 and not shipped with speclm): the first
+`--per_category` prompts of each category, one per round at batch 1 (so `--rounds` should be
+a multiple of the number of categories), with a table per category. They are an evaluation
+set: nothing in speclm was trained or tuned on them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +83,17 @@ _LOOKUP_MIN_NGRAM = flags.DEFINE_integer(
     'lookup_min_ngram', 2, 'As the demo: prompt lookup proposes where the last n+ tokens'
     ' occurred before, the trained draft elsewhere (lookup.lookup_first); 0: the draft alone.')
 _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
+_ADAPTIVE = flags.DEFINE_bool('adaptive', True, 'Include the adaptive-γ cases.')
+_MAX_GAMMA = flags.DEFINE_integer('max_gamma', 4, 'γ_max of the adaptive cases.')
+_DRAFT_STOPPING = flags.DEFINE_bool('draft_stopping', False,
+                                    'Adaptive cases: the draft stops on its own confidence.')
+_WORKLOAD = flags.DEFINE_enum('workload', 'demo', ['demo', 'spec_bench'],
+                              'Prompts: the built-in demo prompts, or Spec-Bench\'s.')
+_SPEC_BENCH_FILE = flags.DEFINE_string(
+    'spec_bench_file', None, 'Spec-Bench\'s question.jsonl (from the repository'
+    ' hemingkx/Spec-Bench, data/spec_bench/question.jsonl; not shipped with speclm).')
+_PER_CATEGORY = flags.DEFINE_integer('per_category', 1,
+                                     'Spec-Bench prompts taken from each category.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
 _OUTPUT = flags.DEFINE_string(
     'output', os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs',
@@ -78,11 +102,20 @@ _OUTPUT = flags.DEFINE_string(
 GREEDY = speclm.GREEDY
 SAMPLED = speclm.SamplingConfig(temperature=1.0)
 
-# Targets of the benchmark issue (ratio name -> minimum).
+# Targets of the speed issues (ratio name -> minimum).
 TARGETS = {
-    'speculative / baseline, T=0, batch 1': 2.0,
-    'speculative / baseline, T=1, batch 1': 1.6,
-    'speculative / baseline, T=0, batch 8': 1.3,
+    'speculative / baseline, T=0, batch 1': 1.6,
+    'speculative / baseline, T=1, batch 1': 1.3,
+    'speculative / baseline, T=0, batch 8': 1.0,
+    'speculative / baseline, T=1, batch 8': 1.0,
+    'adaptive γ / baseline, T=0, batch 1': 1.6,
+    'adaptive γ / baseline, T=1, batch 1': 1.3,
+    'adaptive γ / baseline, T=0, batch 8': 1.0,
+    'adaptive γ / baseline, T=1, batch 8': 1.0,
+    'adaptive γ / fixed γ, T=0, batch 1': 0.97,
+    'adaptive γ / fixed γ, T=1, batch 1': 0.97,
+    'adaptive γ / fixed γ, T=0, batch 8': 0.97,
+    'adaptive γ / fixed γ, T=1, batch 8': 0.97,
     'speculative / HF assisted, T=0, batch 1': 2.0,
     'baseline / HF generate(), T=0, batch 1': 1.5,
 }
@@ -137,6 +170,40 @@ class _before_sampling:  # pylint: disable=invalid-name
 # Cases
 
 
+def read_spec_bench(path: str, per_category: int) -> list[tuple[str, str]]:
+  """(category, first turn) of the first `per_category` questions of each Spec-Bench category,
+  in the file's order. Each line of question.jsonl is {"question_id", "category", "turns"}."""
+  if not path or not os.path.isfile(path):
+    raise app.UsageError(
+        f'--workload=spec_bench needs --spec_bench_file=…/question.jsonl (got {path!r}): the'
+        ' file data/spec_bench/question.jsonl of the public repository hemingkx/Spec-Bench'
+        ' (Apache-2.0), which speclm does not ship.')
+  taken = collections.defaultdict(list)
+  with open(path, encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        item = json.loads(line)
+        category, text = str(item['category']), str(item['turns'][0])
+      except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise app.UsageError(f'{path}, line {number}: not a Spec-Bench question ({e}).')
+      if len(taken[category]) < per_category:
+        taken[category].append(text)
+  if not taken:
+    raise app.UsageError(f'{path} holds no questions.')
+  # Interleave the categories, so consecutive rounds visit every category in turn.
+  return [(category, texts[i]) for i in range(per_category)
+          for category, texts in taken.items() if i < len(texts)]
+
+
+def workload_prompts() -> list[tuple[str, str]]:
+  """(category, prompt) pairs of the chosen workload."""
+  if _WORKLOAD.value == 'spec_bench':
+    return read_spec_bench(_SPEC_BENCH_FILE.value, _PER_CATEGORY.value)
+  return [('demo', p) for p in builtin_prompts.demo_prompts()]
+
+
 def _prompt_batch(tok, prompts, width: int):
   """Chat-encoded prompts right-padded to one `width` (one compiled shape for every round)."""
   rows = [tok.encode_chat(p) for p in prompts]
@@ -146,31 +213,41 @@ def _prompt_batch(tok, prompts, width: int):
   return tokens, np.array([len(r) for r in rows], np.int32)
 
 
-def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=None,
-                 draft_alone=None, float32_draft=None) -> list[Case]:
-  width = max(len(tok.encode_chat(p)) for p in prompts)
-  single = [_prompt_batch(tok, [p], width) for p in prompts]
-  batch = _prompt_batch(tok, (prompts * _BATCH.value)[:_BATCH.value], width)
+def _width(length: int) -> int:
+  """Prompts are padded to a multiple of 128 tokens (one compiled shape per multiple)."""
+  return 128 * -(-length // 128)
 
-  def make(name, group, batch_size, sampling, model, draft_model=None, before=False):
+
+def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, xla_models=None,
+                 draft_alone=None, float32_draft=None) -> list[Case]:
+  """`rules`: batch size -> the `adaptive.AdaptiveGamma` of the adaptive cases (None: none)."""
+  width = _width(max(len(tok.encode_chat(p)) for p in prompts))
+  single = [_prompt_batch(tok, [p], _width(len(tok.encode_chat(p)))) for p in prompts]
+  batches = [_prompt_batch(tok, [prompts[(k + i) % len(prompts)] for i in range(_BATCH.value)],
+                           width) for k in range(0, len(prompts), _BATCH.value)]
+
+  def make(name, group, batch_size, sampling, model, draft_model=None, before=False,
+           gamma=None, new_tokens=None):
     case_holder = []
+    new_tokens = new_tokens or _MAX_NEW.value
 
     def run(round_index):
-      tokens, lengths = batch if batch_size > 1 else single[round_index % len(single)]
-      kwargs = dict(sampling=sampling, max_new_tokens=_MAX_NEW.value, eos_id=None,
+      tokens, lengths = (batches[round_index % len(batches)] if batch_size > 1
+                         else single[round_index % len(single)])
+      kwargs = dict(sampling=sampling, max_new_tokens=new_tokens, eos_id=None,
                     seed=round_index)
       if draft_model is None:
         result = speclm.autoregressive_decode(model, tokens, lengths, **kwargs)
       else:
         result = speclm.speculative_decode(model, draft_model, tokens, lengths,
-                                           gamma=_gamma(batch_size), **kwargs)
+                                           gamma=gamma or _gamma(batch_size), **kwargs)
       out = np.asarray(result.tokens)
       case_holder[0].stats.append(result.stats)
       return out
 
     if before:
       sampling = _BeforeSampling(**dataclasses.asdict(sampling))
-    case = Case(name, group, batch_size, sampling.temperature, _MAX_NEW.value, run,
+    case = Case(name, group, batch_size, sampling.temperature, new_tokens, run,
                 before_sampling=before)
     case_holder.append(case)
     return case
@@ -185,6 +262,14 @@ def speclm_cases(target, draft, tok, prompts, *, tied_target=None, xla_models=No
       make('speclm baseline', 'main', _BATCH.value, SAMPLED, target),
       make('speclm speculative', 'main', _BATCH.value, SAMPLED, target, draft),
   ]
+  if rules:
+    cases += [make('speclm adaptive γ', 'main', batch_size, sampling, target, draft,
+                   gamma=rules[batch_size])
+              for batch_size in (1, _BATCH.value) for sampling in (GREEDY, SAMPLED)]
+  # Time to the first token: the prefill (and the draft's, for speculative decoding).
+  cases += [make('time to first token, baseline', 'ttft', 1, GREEDY, target, new_tokens=1),
+            make('time to first token, speculative', 'ttft', 1, GREEDY, target, draft,
+                 new_tokens=1)]
   if _ABLATIONS.value:
     cases += [
         make('baseline, argmax + Gumbel sampler (before)', 'ablation', 1, GREEDY, target,
@@ -311,10 +396,20 @@ def main(argv):
     if _LOOKUP_MIN_NGRAM.value:
       float32_draft = wrap(float32_draft)
   tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
-  prompts = builtin_prompts.demo_prompts()
+  categorized = workload_prompts()
+  categories = [category for category, _ in categorized]
+  prompts = [prompt for _, prompt in categorized]
+  context = int(np.mean([len(tok.encode_chat(p)) for p in prompts])) + _MAX_NEW.value // 2
+  rules = None
+  if _ADAPTIVE.value:
+    print('timing c and r(γ) for the adaptive cases (cached per machine) …', flush=True)
+    rules = {b: measure.measure_adaptive_gamma(target, draft, max_gamma=_MAX_GAMMA.value,
+                                               batch_size=b, context_length=context,
+                                               draft_stopping=_DRAFT_STOPPING.value)
+             for b in (1, _BATCH.value)}
 
   xla_models = (plain_target, xla_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None
-  cases = speclm_cases(target, draft, tok, prompts, tied_target=tied_target,
+  cases = speclm_cases(target, draft, tok, prompts, rules=rules, tied_target=tied_target,
                        xla_models=xla_models,
                        draft_alone=draft_alone if _LOOKUP_MIN_NGRAM.value else None,
                        float32_draft=float32_draft)
@@ -333,10 +428,12 @@ def main(argv):
   # Exactness: greedy speculative = greedy baseline, every round (and ours vs HF).
   checks = {}
   for batch_size in (1, _BATCH.value):
-    base, spec = find(cases, 'speclm baseline', batch_size, 0.0), find(
-        cases, 'speclm speculative', batch_size, 0.0)
-    checks[f'greedy speculative = baseline, batch {batch_size}'] = (
-        benchmarking.outputs_equal(base, spec))
+    base = find(cases, 'speclm baseline', batch_size, 0.0)
+    for name, label in (('speclm speculative', 'speculative'), ('speclm adaptive γ', 'adaptive γ')):
+      spec = find(cases, name, batch_size, 0.0)
+      if spec is not None:
+        checks[f'greedy {label} = baseline, batch {batch_size}'] = (
+            benchmarking.outputs_equal(base, spec))
   for case in cases:
     if case.group == 'ablation' and case.temperature == 0:
       base = find(cases, 'speclm baseline', case.batch_size, 0.0)
@@ -359,7 +456,6 @@ def main(argv):
       alphas[(case.batch_size, case.temperature)] = dict(
           alpha=case.pooled_alpha(), tokens_per_call=case.tokens_per_target_call(),
           row_alphas=[row_alphas(s) for s in case.stats])
-  context = int(np.mean([len(tok.encode_chat(p)) for p in prompts])) + _MAX_NEW.value // 2
   costs = {b: measure.measure_costs(target, draft, gamma=_gamma(b), batch_size=b,
                                     context_length=context)
            for b in (1, _BATCH.value)}
@@ -378,6 +474,15 @@ def main(argv):
           find(cases, 'speclm speculative', _BATCH.value, 1.0),
           find(cases, 'speclm baseline', _BATCH.value, 1.0)),
   }
+  for batch_size in (1, _BATCH.value):
+    for temperature in (0.0, 1.0):
+      adaptive_case = find(cases, 'speclm adaptive γ', batch_size, temperature)
+      if adaptive_case is not None:
+        setting = f'T={temperature:g}, batch {batch_size}'
+        ratios[f'adaptive γ / baseline, {setting}'] = ratio(
+            adaptive_case, find(cases, 'speclm baseline', batch_size, temperature))
+        ratios[f'adaptive γ / fixed γ, {setting}'] = ratio(
+            adaptive_case, find(cases, 'speclm speculative', batch_size, temperature))
   if _HF.value:
     ratios.update({
         'speculative / HF assisted, T=0, batch 1': ratio(
@@ -432,13 +537,50 @@ def main(argv):
                               speedup=ratio(after, before)))
 
   base_ms = find(cases, 'speclm baseline', 1, 0.0).ms_per_token()  # per round
-  summary = dict(cases=cases, ratios=ratios, predictions=predictions, checks=checks,
+  summary = dict(cases=cases, ratios=ratios, per_category=per_category(cases, categories),
+                 rules=rules, gamma_histograms=gamma_histograms(cases), predictions=predictions, checks=checks,
                  hf_agreement=hf_agreement, export_error=export_error, costs=costs,
                  bandwidths=bandwidths, floor_ms=floor_ms, target_bytes=target_bytes,
                  base_ms=base_ms, ablations=ablations,
                  context=context, seconds=time.time() - started,
                  draft_card=smollm2_draft.read()[2])
   benchmarking.write_report(render(summary), _OUTPUT.value)
+
+
+def per_category(cases, categories) -> dict[str, dict[str, Any]]:
+  """Batch-1 figures per prompt category: round k decoded prompt k mod (number of prompts)."""
+  table = {}
+  for category in dict.fromkeys(categories):
+    rounds = [k for k in range(_ROUNDS.value) if categories[k % len(categories)] == category]
+    if not rounds:
+      continue
+    row = {'rounds': len(rounds)}
+    for temperature in (0.0, 1.0):
+      base = find(cases, 'speclm baseline', 1, temperature)
+      for name, label in (('speclm speculative', 'fixed'), ('speclm adaptive γ', 'adaptive')):
+        case = find(cases, name, 1, temperature)
+        if case is None:
+          continue
+        row[(label, temperature)] = dict(
+            speedup=median([base.seconds[k] / case.seconds[k] for k in rounds]),
+            alpha=sum(float(case.stats[k].beta_sum) for k in rounds) / max(
+                1, sum(int(case.stats[k].beta_count) for k in rounds)),
+            tokens_per_call=case.new_tokens * len(rounds) / max(
+                1, sum(int(case.stats[k].target_calls) for k in rounds)))
+    ttft = find(cases, 'time to first token, baseline', 1, 0.0)
+    row['ttft_ms'] = median([1e3 * ttft.seconds[k] for k in rounds])
+    table[category] = row
+  return table
+
+
+def gamma_histograms(cases) -> dict[str, list[int]]:
+  """Rounds by tokens drafted, summed over every round of each speculative case."""
+  out = {}
+  for case in cases:
+    if case.stats and case.new_tokens > 1 and int(case.stats[0].draft_calls) > 0:
+      total = sum(np.asarray(s.gamma_histogram) for s in case.stats)
+      out[f'{case.name}, batch {case.batch_size}, T={case.temperature:g}'] = total.tolist()
+  return out
 
 
 def render(s: dict) -> str:
@@ -456,6 +598,11 @@ def render(s: dict) -> str:
       f' batch {_BATCH.value} decodes all {_BATCH.value} demo prompts; Hugging Face runs'
       f' PyTorch on {_THREADS.value} threads, float32, same weights, assisted generation with'
       f' {_GAMMA.value} constant assistant tokens',
+      f'- workload: {_WORKLOAD.value}' + (
+          ' (Spec-Bench, the first'
+          f' {_PER_CATEGORY.value} question(s) of each category; an evaluation set, never'
+          ' trained or tuned on)' if _WORKLOAD.value == 'spec_bench' else
+          ' (the 8 built-in demo prompts)') + '; prompts padded to multiples of 128 tokens',
       '',
   ]
   lines += benchmarking.time_table(s['cases'])
@@ -470,6 +617,9 @@ def render(s: dict) -> str:
       f'| baseline time / memory-bandwidth floor, batch 1 | {floor_ratio:.2f}× | ≤ 1.60× |'
       f' {"yes" if floor_ratio <= 1.6 else "no"} |',
       '',
+  ]
+  lines += render_adaptive(s)
+  lines += [
       '## Against the theory (generalised Theorem 3.8: (1 − α^(γ+1)) / ((1 − α)(γc + r)))',
       '',
       '| setting | α | c | r | predicted | measured | measured / predicted | per row:'
@@ -513,6 +663,37 @@ def render(s: dict) -> str:
                    f' {a["before_ms"]:.1f} | {a["after_ms"]:.1f} | {fmt(a["speedup"])}× |')
   lines.append('')
   return '\n'.join(lines)
+
+
+def render_adaptive(s: dict) -> list[str]:
+  """Per-category table (fixed vs adaptive γ), the γ histograms and the adaptive rule."""
+  lines = ['## Per category (batch 1; median of per-round ratios over the rounds of each'
+           ' category)', '',
+           '| category | rounds | time to first token, ms | T | fixed γ: speculative /'
+           ' baseline | α | tokens / call | adaptive γ: speculative / baseline | α |'
+           ' tokens / call |', '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  for category, row in s['per_category'].items():
+    for temperature in (0.0, 1.0):
+      cells = []
+      for label in ('fixed', 'adaptive'):
+        entry = row.get((label, temperature))
+        cells += (['', '', ''] if entry is None else
+                  [f'{entry["speedup"]:.2f}×', f'{entry["alpha"]:.3f}',
+                   f'{entry["tokens_per_call"]:.2f}'])
+      lines.append(f'| {category} | {row["rounds"]} | {row["ttft_ms"]:.0f} | {temperature:g} | '
+                   + ' | '.join(cells) + ' |')
+  lines += ['', '## Rounds by γ (tokens drafted per round, 0 … γ_max)', '']
+  lines += [f'- {name}: {histogram}' for name, histogram in s['gamma_histograms'].items()]
+  if s['rules']:
+    lines += ['', 'Adaptive rule (`speclm.adaptive.AdaptiveGamma`, costs timed by'
+              ' `measure.measure_adaptive_gamma`, cached per machine and batch size):', '']
+    for batch_size, rule in s['rules'].items():
+      lines.append(f'- batch {batch_size}: γ_max {rule.max_gamma}, c {rule.draft_cost:.3f},'
+                   f' r(0 … γ_max) {", ".join(f"{r:.2f}" for r in rule.verify_costs)},'
+                   f' prior α {rule.prior_alpha}, decay {rule.decay}, draft stopping'
+                   f' {"on" if rule.draft_stopping else "off"}, max skip {rule.max_skip}')
+  lines.append('')
+  return lines
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """speclm: exact speculative decoding (Leviathan, Kalman & Matias, ICML 2023) in JAX."""
 
+from speclm.adaptive import AdaptiveGamma
 from speclm.decoding import DecodeResult
 from speclm.decoding import DecodeStats
 from speclm.decoding import StopReason
@@ -11,7 +12,7 @@ from speclm.sampling import GREEDY
 from speclm.sampling import SamplingConfig
 
 __all__ = [
-    'DecodeResult', 'DecodeStats', 'GREEDY', 'LanguageModel', 'Model', 'SamplingConfig',
+    'AdaptiveGamma', 'DecodeResult', 'DecodeStats', 'GREEDY', 'LanguageModel', 'Model', 'SamplingConfig',
     'StopReason', 'autoregressive_decode', 'speculative_decode',
 ]
 

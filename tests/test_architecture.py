@@ -30,7 +30,7 @@ LAYERS = (
 # Layers below this one never import gin.
 FIRST_GIN_LAYER = 'presets'
 # The algorithms see models only through the protocol.
-ALGORITHMS = ('speclm.speculative', 'speclm.decoding')
+ALGORITHMS = ('speclm.speculative', 'speclm.decoding', 'speclm.adaptive')
 
 
 def _module_name(root: str, path: str) -> str:

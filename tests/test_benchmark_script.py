@@ -22,19 +22,50 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--rounds=1',
-       '--max_new_tokens=6', '--batch_size=2', '--ablations=false', f'--output={report}'],
+       '--max_new_tokens=6', '--batch_size=2', '--ablations=false', '--max_gamma=2',
+       f'--output={report}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]
   text = report.read_text()
   for heading in ('## Time per generated token', '## Ratios', '## Against the theory',
-                  '## Memory-bandwidth floor', '## Exactness checks'):
+                  '## Per category', '## Rounds by γ', '## Memory-bandwidth floor',
+                  '## Exactness checks'):
     assert heading in text
   # Every case appears, greedy speculative equals the baseline, and HF's assisted generation
   # equals its own greedy generate() on the exported models.
-  for case in ('speclm baseline', 'speclm speculative', 'HF generate()',
-               'HF assisted generation'):
+  for case in ('speclm baseline', 'speclm speculative', 'speclm adaptive γ', 'HF generate()',
+               'HF assisted generation', 'time to first token, baseline'):
     assert f'| {case} |' in text
   assert '- greedy speculative = baseline, batch 1: yes' in text
   assert '- greedy speculative = baseline, batch 2: yes' in text
+  assert '- greedy adaptive γ = baseline, batch 1: yes' in text
+  assert '- greedy adaptive γ = baseline, batch 2: yes' in text
+  assert '| adaptive γ / fixed γ, T=0, batch 1 |' in text
   assert '- HF assisted = HF generate() (greedy): yes' in text
   assert 'NO' not in text.split('## Exactness checks')[1]
+
+
+def test_spec_bench_workload_reads_questions_and_refuses_a_missing_file(tmp_path):
+  """The Spec-Bench reader (the file itself is not shipped): first turns, per category,
+  categories interleaved; a missing file is a usage error naming where to get it."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  from absl import app  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      'benchmark_script', os.path.join(REPO, 'scripts', 'benchmark.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  path = tmp_path / 'question.jsonl'
+  rows = [{'question_id': i, 'category': c, 'turns': [f'{c} {i}', 'second turn']}
+          for i, c in enumerate(['mt_bench', 'mt_bench', 'translation', 'summarization',
+                                 'translation', 'mt_bench'])]
+  path.write_text('\n'.join(json.dumps(r) for r in rows) + '\n')
+  assert module.read_spec_bench(str(path), 2) == [
+      ('mt_bench', 'mt_bench 0'), ('translation', 'translation 2'),
+      ('summarization', 'summarization 3'), ('mt_bench', 'mt_bench 1'),
+      ('translation', 'translation 4')]
+  with pytest.raises(app.UsageError, match='hemingkx/Spec-Bench'):
+    module.read_spec_bench(str(tmp_path / 'missing.jsonl'), 1)
+  path.write_text('{"category": "x"}\n')
+  with pytest.raises(app.UsageError, match='line 1'):
+    module.read_spec_bench(str(path), 1)
