@@ -245,9 +245,14 @@ def test_sampled_adaptive_fits_the_exact_distribution(small, sampling, scheduled
   assert histogram[0] > 0 and histogram[1:].sum() > 0, histogram
 
 
-def test_sampled_draft_stopping_fits_the_exact_distribution(small):
-  """The draft stops on its own confidence (which depends on what it drew) — still exact."""
+@pytest.mark.parametrize('lookup_first', [False, True], ids=['draft', 'lookup_first'])
+def test_sampled_draft_stopping_fits_the_exact_distribution(small, lookup_first):
+  """The draft stops on its own confidence (which depends on what it drew) — still exact.
+  With prompt lookup first, one-hot proposals (confidence 1) run on up to γ_max where the
+  context repeats (PROMPT has two 1s), dense ones elsewhere."""
   target, draft = small
+  if lookup_first:
+    draft = lookup.lookup_first(draft, min_ngram=1)
   pvalue, result = _fits(target, draft, _rule(max_gamma=3, verify_costs=FLAT[:4],
                                               draft_stopping=True, draft_cost=0.3),
                          speclm.SamplingConfig(temperature=1.0))

@@ -287,7 +287,7 @@ def run_job(*,
             ' per machine) …', file=progress_stream or sys.stderr, flush=True)
       rule = measure.measure_adaptive_gamma(
           target_model, draft_model, max_gamma=max_gamma, batch_size=batch_size,
-          context_length=min(buckets[0], max_input_length), draft_stopping=draft_stopping)
+          context_length=_cost_context(encoded, max_new_tokens), draft_stopping=draft_stopping)
     try:
       encoded = inputs_lib.encode_examples(
           examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
@@ -350,7 +350,7 @@ def run_job(*,
               'batch_size': batch_size}
     elif measure_cost and draft_model is not None:
       cost = _measure_cost(target_model, draft_model, gamma=gamma, batch_size=batch_size,
-                           context_length=min(buckets[0], max_input_length))
+                           context_length=_cost_context(encoded, max_new_tokens))
     metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=gamma,
                                           sampling=sampling, cost=cost,
                                           reference_metrics=reference_metrics)
@@ -383,6 +383,14 @@ def run_job(*,
       raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
     warn(message)
   return metrics
+
+
+def _cost_context(encoded, max_new_tokens: int) -> int:
+  """The context c and r are timed at: the mean input length plus half the new tokens, the
+  average position a decode step works at (timing at the smallest length bucket instead
+  measured r at 16 positions, where the per-token work outside the products weighs more)."""
+  lengths = [e.length for e in encoded if not e.skipped]
+  return max(1, int(np.mean(lengths)) if lengths else 1) + max_new_tokens // 2
 
 
 def _input_limit(max_input_length: int, max_new_tokens: int, *models) -> int:
