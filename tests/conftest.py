@@ -1,5 +1,66 @@
-"""Test setup: JAX on the host CPU, float32."""
+"""Test setup: JAX on the host CPU, float32, one compilation cache for the whole session, and
+the tiny training-script run that two test modules share.
 
+Compiling dominates this suite's time on a CPU: `llama.random_model` jits its initialisation
+anew on every call (about 10 s for a 2-layer model on 2 cores), and every `python -m
+speclm.run` or script a test starts compiles the same decode loops again. JAX's persistent
+compilation cache, in a directory made for this session (and removed at its end, so every run
+starts empty), lets a program compiled once be loaded wherever the same program is compiled
+again, in this process or in the subprocesses tests start (they inherit the environment). It
+stores XLA's executables keyed by the program, its shapes and the compile options: a hit runs
+exactly what a compile would have produced. A JAX_COMPILATION_CACHE_DIR set by the caller is
+used instead (and kept).
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
+import types
+
+import pytest
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+  _CACHE_DIR = tempfile.mkdtemp(prefix='speclm-tests-jax-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+# Programs that take at least this long to compile are stored (JAX's default is 1 s).
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.3')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# scripts/train_smollm2_draft.py on tiny settings: 3 built-in prompts and up to 4 requests the
+# target writes itself, replies of 6 tokens, greedy and once sampled; one prompt and sequence
+# width (128) for every batch, so that each kind of decode and the training step compile once;
+# α on 2 held-out and 2 demo prompts, 8 new tokens each.
+DRAFT_SCRIPT_TINY = (
+    '--num_prompts=3', '--self_prompts=4', '--self_prompt_tokens=48', '--gen_batch=4',
+    '--max_new_tokens=6', '--sampled_replies=1', '--label_batch=4', '--label_top_k=8',
+    '--batch_size=2', '--epochs=1', '--subset_size=512', '--eval_prompts=2',
+    '--alpha_new_tokens=8', '--prompt_width=128', '--width_bucket=128',
+    '--matmul_precision=highest')
+
+
+@pytest.fixture(scope='session')
+def draft_script_run(tmp_path_factory):
+  """scripts/train_smollm2_draft.py, every stage, on the tiny settings with --noevaluate.
+
+  A namespace: `work_dir` (the generated data and soft labels), `output_dir` (the draft file,
+  no card yet) and `run(*args)` (the script again, with the tiny settings).
+  tests/test_train_draft_script.py checks this run; tests/test_train_eagle_script.py trains on
+  a copy of the replies it generated (the EAGLE script's input is `--stage=generate`'s output),
+  so SmolLM2 generates them once per session.
+  """
+  from speclm.testing.scripts import run_script  # pylint: disable=import-outside-toplevel
+  script = os.path.join(_REPO, 'scripts', 'train_smollm2_draft.py')
+  work = tmp_path_factory.mktemp('draft_work')
+  out = tmp_path_factory.mktemp('draft_out')
+
+  def run(*args):
+    return run_script(script, *DRAFT_SCRIPT_TINY, *args)
+
+  run(f'--work_dir={work}', f'--output_dir={out}', '--noevaluate')
+  return types.SimpleNamespace(work_dir=str(work), output_dir=str(out), run=run)

@@ -35,7 +35,9 @@ def _env(tmp_path=None):
   env['PYTHONPATH'] = os.pathsep.join(
       [REPO] + ([str(tmp_path)] if tmp_path else []) + [env.get('PYTHONPATH', '')])
   env.setdefault('JAX_PLATFORMS', 'cpu')
-  if tmp_path is not None:  # compiled programs shared by the runs of one test
+  # Compiled programs shared by the runs: the session's cache (tests/conftest.py), else one
+  # for the runs of this test.
+  if tmp_path is not None and not env.get('JAX_COMPILATION_CACHE_DIR'):
     env['JAX_COMPILATION_CACHE_DIR'] = str(tmp_path / 'jax_cache')
     env['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
     env['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
@@ -383,11 +385,19 @@ def _lines(path):
 
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
   out = tmp_path / 'out'
-  proc = subprocess.Popen(
-      [sys.executable, '-m', 'speclm.run', *TINY, f"--gin.OUTPUT_DIR='{out}'",
-       '--gin.synthetic_dataset.num_examples=400', '--gin.BATCH_SIZE=1'],
-      cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True)
+  # The job must start with Ctrl-C's default action even where this test runs in the
+  # background of a shell, which starts it with SIGINT ignored (inherited across exec): a
+  # handled signal is reset to the default in the child.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'speclm.run', *TINY, f"--gin.OUTPUT_DIR='{out}'",
+         '--gin.synthetic_dataset.num_examples=400', '--gin.BATCH_SIZE=1'],
+        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGINT, previous)
   deadline = time.monotonic() + 240
   while _lines(out / outputs.PREDICTIONS) < 2 and time.monotonic() < deadline:
     assert proc.poll() is None, proc.stderr.read()[-3000:]
