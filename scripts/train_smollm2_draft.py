@@ -69,7 +69,11 @@ _EPOCHS = flags.DEFINE_float('epochs', 4.0, 'Passes over the generated replies.'
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
 _LR = flags.DEFINE_float('learning_rate', 5e-4, 'Peak AdamW learning rate.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed for sampling, shuffling and evaluation.')
-_EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16, 'Held-out prompts for α.')
+_EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16,
+                                     'Held-out prompts for α (and at most this many of the 8'
+                                     ' demo prompts).')
+_ALPHA_NEW = flags.DEFINE_integer('alpha_new_tokens', 64,
+                                  'New tokens per prompt when measuring α.')
 _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ used when measuring α.')
 _INIT_FROM = flags.DEFINE_string('init_from', None,
                                  'Continue from a saved draft file (same layers and subset)'
@@ -438,15 +442,23 @@ def _schedule(warmup: int, steps: int):
 # 3. Evaluation
 
 
-def measure_alpha(target, draft, tok, prompts, gamma: int, seed: int) -> dict[str, float]:
-  """α at temperature 0 and 1 from speculative decoding's exact β sums on `prompts`."""
+def measure_alpha(target, draft, tok, prompts, gamma: int, seed: int,
+                  max_new_tokens: int = 64) -> dict[str, float]:
+  """α at temperature 0 and 1 from speculative decoding's exact β sums on `prompts`.
+
+  The batch is padded to a multiple of --prompt_width columns (right padding: each row's own
+  length is what is decoded), so that prompt sets of similar lengths share compiled loops.
+  """
   rows = [tok.encode_chat(p) for p in prompts]
   tokens, lengths = tok.batch(rows)
+  width = -(-tokens.shape[1] // _PROMPT_WIDTH.value) * _PROMPT_WIDTH.value
+  tokens = np.pad(tokens, [(0, 0), (0, width - tokens.shape[1])])
   out = {}
   for name, sampling in (('alpha_t0', speclm.GREEDY),
                          ('alpha_t1', speclm.SamplingConfig(temperature=1.0))):
     result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=gamma,
-                                       sampling=sampling, max_new_tokens=64, seed=seed,
+                                       sampling=sampling, max_new_tokens=max_new_tokens,
+                                       seed=seed,
                                        eos_id=tok.eos_id)
     out[name] = round(result.stats.alpha, 4)
     out[name.replace('alpha', 'tokens_per_call')] = round(result.tokens_per_target_call, 3)
@@ -475,12 +487,12 @@ A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the tar
 | recipe | the commands in the docstring of `scripts/train_smollm2_draft.py` |
 | wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on {m.get('hardware', '2 shared CPU cores')} |
 
-## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, 64 new tokens, float32, on {m.get('alpha_measured_on', m.get('hardware', 'CPU'))})
+## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, {m.get('alpha_new_tokens', 64)} new tokens, float32, on {m.get('alpha_measured_on', m.get('hardware', 'CPU'))})
 
 | prompts | α at temperature 0 | tokens / target call | α at temperature 1 | tokens / target call |
 | --- | --- | --- | --- | --- |
 | {held['prompts']} held-out prompts (topics absent from training) | {held['alpha_t0']:.3f} | {held['tokens_per_call_t0']:.2f} | {held['alpha_t1']:.3f} | {held['tokens_per_call_t1']:.2f} |
-| the 8 demo prompts | {demo['alpha_t0']:.3f} | {demo['tokens_per_call_t0']:.2f} | {demo['alpha_t1']:.3f} | {demo['tokens_per_call_t1']:.2f} |
+| the {demo.get('prompts', 8)} demo prompts | {demo['alpha_t0']:.3f} | {demo['tokens_per_call_t0']:.2f} | {demo['alpha_t1']:.3f} | {demo['tokens_per_call_t1']:.2f} |
 
 `tests/test_smollm2_draft.py` checks that the file loads with these sizes and that α at
 temperature 0 on the held-out prompts is at least the figure above minus 0.05.
@@ -506,13 +518,16 @@ def evaluate(target, tok, trained, subset_ids, metadata: dict) -> dict:
   """`metadata` with α re-measured on the held-out and demo prompts (on this machine)."""
   draft = smollm2_draft.assemble(target, trained, subset_ids, metadata['num_layers'])
   eval_prompts = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
-  heldout = measure_alpha(target, draft, tok, eval_prompts, _GAMMA.value, _SEED.value)
-  demo = measure_alpha(target, draft, tok, builtin_prompts.demo_prompts(), _GAMMA.value,
-                       _SEED.value)
+  demo_prompts = builtin_prompts.demo_prompts()[:_EVAL_PROMPTS.value]
+  heldout = measure_alpha(target, draft, tok, eval_prompts, _GAMMA.value, _SEED.value,
+                          _ALPHA_NEW.value)
+  demo = measure_alpha(target, draft, tok, demo_prompts, _GAMMA.value, _SEED.value,
+                       _ALPHA_NEW.value)
   measured_on = _hardware()
   logging.info('α on %s: held-out %s, demo %s', measured_on, heldout, demo)
-  return dict(metadata, gamma=_GAMMA.value, alpha_measured_on=measured_on,
-              heldout=dict(prompts=len(eval_prompts), **heldout), demo=demo)
+  return dict(metadata, gamma=_GAMMA.value, alpha_new_tokens=_ALPHA_NEW.value,
+              alpha_measured_on=measured_on, heldout=dict(prompts=len(eval_prompts), **heldout),
+              demo=dict(prompts=len(demo_prompts), **demo))
 
 
 def write(trained, subset_ids, metadata: dict, card: bool = True) -> None:

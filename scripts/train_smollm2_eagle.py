@@ -244,8 +244,13 @@ def train(target, head_ids):
 
 
 def measure_alpha(target, draft, tok, prompts) -> dict[str, float]:
-  """α (and tokens per target call) at temperature 0 and 1 on `prompts`, decoded as a batch."""
+  """α (and tokens per target call) at temperature 0 and 1 on `prompts`, decoded as a batch.
+
+  The batch is padded to a multiple of --width_bucket columns (right padding: each row's own
+  length is what is decoded), so that prompt sets of similar lengths share compiled loops.
+  """
   tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
+  tokens = np.pad(tokens, [(0, 0), (0, _bucket(tokens.shape[1]) - tokens.shape[1])])
   out = {}
   for name, sampling in (('t0', speclm.GREEDY), ('t1', speclm.SamplingConfig(temperature=1.0))):
     result = speclm.speculative_decode(

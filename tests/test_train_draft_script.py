@@ -9,7 +9,6 @@ import pytest
 
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
-from speclm.testing.scripts import run_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -17,24 +16,11 @@ pytestmark = [
                        reason=f'SmolLM2 is not installed: {smollm2.SETUP_COMMAND}'),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, 'scripts', 'train_smollm2_draft.py')
-TINY = ['--num_prompts=3', '--self_prompts=4', '--self_prompt_tokens=48', '--gen_batch=4',
-        '--max_new_tokens=6', '--sampled_replies=1', '--label_batch=4', '--label_top_k=8',
-        '--batch_size=2', '--epochs=1', '--subset_size=512', '--eval_prompts=2',
-        '--matmul_precision=highest']
-
-
-def _run(*args):
-  return run_script(SCRIPT, *TINY, *args)
-
 
 @pytest.fixture(scope='module')
-def run(tmp_path_factory):
-  work = tmp_path_factory.mktemp('work')
-  out = tmp_path_factory.mktemp('out')
-  _run(f'--work_dir={work}', f'--output_dir={out}', '--noevaluate')
-  return str(work), str(out)
+def run(draft_script_run):
+  """The session's tiny run of the script (tests/conftest.py: all stages, --noevaluate)."""
+  return draft_script_run.work_dir, draft_script_run.output_dir
 
 
 def test_generated_data_and_soft_labels_agree(run):
@@ -61,7 +47,7 @@ def test_generated_data_and_soft_labels_agree(run):
   assert checked > 0
 
 
-def test_draft_file_then_evaluate_writes_the_card(run):
+def test_draft_file_then_evaluate_writes_the_card(run, draft_script_run):
   _, out = run
   path = os.path.join(out, smollm2_draft.WEIGHTS_FILE)
   trained, subset_ids, metadata = smollm2_draft.read(path)
@@ -72,12 +58,14 @@ def test_draft_file_then_evaluate_writes_the_card(run):
   assert 'heldout' not in metadata  # --noevaluate: no α yet
   assert not os.path.exists(os.path.join(out, 'MODEL_CARD.md'))
 
-  log = _run(f'--work_dir={out}', f'--output_dir={out}', '--stage=evaluate')
+  log = draft_script_run.run(f'--work_dir={out}', f'--output_dir={out}', '--stage=evaluate')
   _, _, measured = smollm2_draft.read(path)
   assert 0.0 <= measured['heldout']['alpha_t0'] <= 1.0
-  assert measured['heldout']['prompts'] == 2
+  assert measured['heldout']['prompts'] == 2 and measured['demo']['prompts'] == 2
+  assert measured['alpha_new_tokens'] == 8  # --alpha_new_tokens
   assert measured['steps'] == metadata['steps']  # training metadata is kept
   card = open(os.path.join(out, 'MODEL_CARD.md'), encoding='utf-8').read()
   assert f"{measured['demo']['alpha_t0']:.3f}" in card
   assert 'requests SmolLM2 wrote itself' in card
+  assert '8 new tokens' in card and '| the 2 demo prompts |' in card
   assert 'α on' in log

@@ -2,12 +2,14 @@
 
 import glob
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import speclm
+from speclm.data import builtin_prompts
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
 from speclm.testing.scripts import run_script
@@ -19,18 +21,21 @@ pytestmark = [
 ]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GENERATE = [os.path.join(ROOT, 'scripts', 'train_smollm2_draft.py'), '--stage=generate',
-            '--num_prompts=4', '--self_prompts=0', '--sampled_replies=0', '--gen_batch=2',
-            '--max_new_tokens=8']
-EAGLE = [os.path.join(ROOT, 'scripts', 'train_smollm2_eagle.py'), '--epochs=2',
-         '--batch_size=2', '--feature_batch=2', '--eval_prompts=2', '--max_new_tokens=8']
+# One width (128) for every feature, training and measuring batch: each compiles once.
+EAGLE = [os.path.join(ROOT, 'scripts', 'train_smollm2_eagle.py'), '--epochs=0.5',
+         '--batch_size=2', '--feature_batch=2', '--eval_prompts=2', '--max_new_tokens=8',
+         '--width_bucket=128']
 
 
 @pytest.fixture(scope='module')
-def run(tmp_path_factory):
+def run(tmp_path_factory, draft_script_run):
+  """The EAGLE script on a copy of the replies SmolLM2 generated in the session's tiny run of
+  scripts/train_smollm2_draft.py (tests/conftest.py): what `--stage=generate` writes."""
   work = tmp_path_factory.mktemp('work')
   out = tmp_path_factory.mktemp('out')
-  run_script(*GENERATE, f'--work_dir={work}')
+  shards = sorted(glob.glob(os.path.join(draft_script_run.work_dir, 'gen_*.npz')))
+  for path in shards + [os.path.join(draft_script_run.work_dir, 'generation_seconds.txt')]:
+    shutil.copy(path, work)
   log = run_script(*EAGLE, f'--work_dir={work}', f'--output_dir={out}')
   return str(work), str(out), log
 
@@ -43,7 +48,8 @@ def target():
 def test_features_are_the_targets_final_hidden_states(run, target):
   work, _, _ = run
   shards = sorted(glob.glob(os.path.join(work, 'gen_*.npz')))
-  assert len(shards) == 2  # 4 prompts, 2 a shard: one to train on, one held out
+  assert len(shards) >= 2  # the last one held out, the others to train on
+  assert all(os.path.exists(s.replace('gen_', 'feat_')) for s in shards)
   with np.load(shards[0]) as gen, np.load(shards[0].replace('gen_', 'feat_')) as feat:
     tokens, lengths, features = gen['tokens'], gen['lengths'], feat['features']
     assert float(feat['seconds']) > 0
@@ -74,8 +80,10 @@ def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
 
   draft = smollm2_draft.load_eagle(target, path)
   tok = smollm2.load_tokenizer()
-  tokens, lengths = tok.batch([tok.encode_chat(p) for p in ('Name a colour.',
-                                                            'Write one line about the sea.')])
-  base = speclm.autoregressive_decode(target, tokens, lengths, max_new_tokens=12)
-  spec = speclm.speculative_decode(target, draft, tokens, lengths, gamma=3, max_new_tokens=12)
+  # The script's own α batch (2 held-out prompts padded to 128 columns, γ = 3, 8 tokens): the
+  # speculative loop is the program the script compiled (a hit in the session's cache).
+  tokens, lengths = tok.batch([tok.encode_chat(p) for p in builtin_prompts.heldout_prompts(2)])
+  tokens = np.pad(tokens, [(0, 0), (0, 128 - tokens.shape[1])])
+  base = speclm.autoregressive_decode(target, tokens, lengths, max_new_tokens=8)
+  spec = speclm.speculative_decode(target, draft, tokens, lengths, gamma=3, max_new_tokens=8)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
