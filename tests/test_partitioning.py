@@ -138,8 +138,14 @@ def test_one_device_partitioner_decodes_like_plain_jit():
 
 
 @pytest.fixture(scope='module')
-def decode_results():
-  return run_checks('decode')['decode']
+def eight_device_results():
+  """Both 8-device checks, in one subprocess (one start-up, one JAX initialisation)."""
+  return run_checks('decode', 'checkpoints')
+
+
+@pytest.fixture(scope='module')
+def decode_results(eight_device_results):
+  return eight_device_results['decode']
 
 
 @pytest.mark.slow
@@ -190,9 +196,9 @@ def test_parameters_are_really_split(decode_results):
   assert decode_results['llama']['2x4']['cache_keys'][1] == [2, 4, 1, 15, 4]
 
 
-def test_checkpoints_load_straight_into_shards():
+def test_checkpoints_load_straight_into_shards(eight_device_results):
   """T5X (TensorStore zarr and inline msgpack) and HF safetensors read slice by slice."""
-  got = run_checks('checkpoints')['checkpoints']
+  got = eight_device_results['checkpoints']
   assert got['t5x_equal'] and got['t5x_shardings_match'] and got['hf_equal']
   for reads in (got['t5x_reads'], got['hf_reads']):
     # Every read is exactly one device's shard; no split array was ever read whole.
