@@ -10,22 +10,25 @@ for the argument); here with real weights, a real tokenizer and chat prompts.
 import pytest
 
 from speclm import testing
-from speclm.data import builtin_prompts
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
 
 pytestmark = pytest.mark.skipif(not smollm2.is_available(),
                                 reason=f'SmolLM2 is not installed: {smollm2.SETUP_COMMAND}')
 
-GAMMA = 4
-MAX_NEW = 24
+# The batch of test_estimate_tree_drafts.py (the same prompts, γ and lengths): in one pytest
+# process both files run the same compiled decode loops.
+PROMPTS = ('Write a short poem about the sea, then repeat its first line.',
+           'List the days of the week.')
+GAMMA = 3
+MAX_NEW = 40
 
 
 def test_loop_alpha_matches_corollary_3_6_on_smollm2():
   target = smollm2.load_model()
   draft = smollm2_draft.load(target)
   tok = smollm2.load_tokenizer()
-  prompts, lengths = tok.batch([tok.encode_chat(p) for p in builtin_prompts.demo_prompts()[:2]])
+  prompts, lengths = tok.batch([tok.encode_chat(p) for p in PROMPTS])
   replay, _ = testing.check_greedy_replay(target, draft, prompts, lengths, gamma=GAMMA,
                                           max_new_tokens=MAX_NEW, batch_size=2)
   assert 0.0 < replay.alpha < 1.0

