@@ -68,14 +68,26 @@ def _accepted_if_repeating(tokens, limit, gamma):
   return accepted
 
 
-@pytest.mark.parametrize('gamma', [1, 2, 4])
-def test_the_draft_gets_the_targets_features(gamma):
-  # A 6-token vocabulary: greedy continuations repeat tokens often, and (with this seed) also
-  # alternate, so that proposing the wrong token (a feature one position off) shows.
+GAMMAS = (1, 2, 4)
+LIMIT = 40
+
+
+@pytest.fixture(scope='module')
+def six_token_target():
+  """A 6-token vocabulary: greedy continuations repeat tokens often, and (with this seed) also
+  alternate, so that proposing the wrong token (a feature one position off) shows. With its
+  greedy continuation, LIMIT + max(GAMMAS) + 1 tokens: every γ's check reads a prefix of it."""
   target = llama.random_model(vocab_size=6, embed_dim=16, num_layers=2, seed=2)
+  base = speclm.autoregressive_decode(target, PROMPTS % 6, LENGTHS,
+                                      max_new_tokens=LIMIT + max(GAMMAS) + 1)
+  return target, base
+
+
+@pytest.mark.parametrize('gamma', GAMMAS)
+def test_the_draft_gets_the_targets_features(six_token_target, gamma):
+  target, base = six_token_target
   prompts = PROMPTS % 6
-  limit = 40
-  base = speclm.autoregressive_decode(target, prompts, LENGTHS, max_new_tokens=limit + gamma + 1)
+  limit = LIMIT
   spec = speclm.speculative_decode(target, _echo_draft(target), prompts, LENGTHS, gamma=gamma,
                                    max_new_tokens=limit)
   expected = np.asarray(base.tokens)
@@ -125,21 +137,29 @@ def test_features_are_the_heads_inputs(target):
   np.testing.assert_allclose(ext_features @ table.T, ext_logits, rtol=1e-5, atol=1e-5)
 
 
+def _shapes_only(definition) -> protocol.Model:
+  """A model whose parameters are only shapes: for checks that refuse a pair of models before
+  any parameter is read (no weights to initialise, nothing compiled)."""
+  return protocol.Model(definition, jax.eval_shape(definition.init_params, jax.random.key(0)))
+
+
 def test_errors(target):
   draft = eagle.random_draft(target)
   with pytest.raises(TypeError, match='features'):
     draft.definition.extend(draft.params, PROMPTS, draft.definition.init_cache(2, 8))
+  encoder_decoder = _shapes_only(t5.T5(t5.tiny_config(vocab_size=32)))
   with pytest.raises(ValueError, match='does not provide them'):
-    speclm.speculative_decode(t5.random_model(vocab_size=32), draft, PROMPTS, LENGTHS, gamma=2,
+    speclm.speculative_decode(encoder_decoder, draft, PROMPTS, LENGTHS, gamma=2,
                               max_new_tokens=4)
-  wide = llama.random_model(vocab_size=32, embed_dim=48, num_layers=1, seed=2)
+  wide = _shapes_only(llama.Llama(llama.LlamaConfig(
+      vocab_size=32, num_layers=1, embed_dim=48, num_heads=4, num_kv_heads=2, head_dim=12,
+      mlp_dim=96)))
   with pytest.raises(ValueError, match='features of width'):
     speclm.speculative_decode(wide, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
   reference = measure.generate_reference(target, PROMPTS, LENGTHS, tokens_per_row=4,
                                          sampling=speclm.GREEDY)
   with pytest.raises(TypeError, match='FeatureSource'):
-    measure.beta_along(t5.random_model(vocab_size=32), draft, reference,
-                       sampling=speclm.GREEDY)
+    measure.beta_along(encoder_decoder, draft, reference, sampling=speclm.GREEDY)
   trained = draft.definition.trained(draft.params)
   del trained['fuse']
   with pytest.raises(ValueError, match='missing'):
