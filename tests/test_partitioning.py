@@ -223,6 +223,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _two_process_env() -> dict[str, str]:
+  """The environment of each of two processes with 4 CPU devices. Without the session's
+  compilation cache (tests/conftest.py): a process that loaded its programs from it while the
+  other compiled would wait at the first collective past gloo's 30 s deadline."""
+  env = dict(os.environ)
+  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
+             PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''),
+             JAX_ENABLE_COMPILATION_CACHE='false')
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
+  return env
+
+
 def _wait_for_all(procs, timeout: int = 600) -> list[str]:
   """Each process's output once all have exited 0 (any still running is killed on failure)."""
   logs = []
@@ -245,9 +257,7 @@ def test_two_processes_split_the_dataset_and_merge_one_report(tmp_path):
   write to different directories (as hosts of a TPU slice write to their own disks): the
   records reach process 0 over JAX's collectives, not a shared file system."""
   port = _free_port()
-  env = dict(os.environ)
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
-             PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''))
+  env = _two_process_env()
   out = tmp_path / 'job'
   procs = []
   for process_id in range(2):
@@ -286,9 +296,7 @@ def test_one_mesh_across_two_processes_decodes_like_one_device():
   """devices='global': a 2x4 mesh over both processes' devices (GSPMD collectives cross the
   process boundary over gloo); the replicated result equals one device's in each process."""
   port = _free_port()
-  env = dict(os.environ)
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
-             PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''))
+  env = _two_process_env()
   script = os.path.join(REPO, 'tests', 'multidevice_checks.py')
   procs = [subprocess.Popen([sys.executable, script, 'global', str(port), str(p)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
