@@ -357,7 +357,7 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   maps = subset_vocab.subset_maps(subset_ids, target.vocab_size)
   frozen_rows = jnp.take(target.params['embedder']['embedding'], jnp.asarray(subset_ids), axis=0)
 
-  def loss_fn(trained, inputs, labels, mask, soft_probs, soft_ids):
+  def loss_fn(trained, frozen_rows, inputs, labels, mask, soft_probs, soft_ids):
     params = {k: v for k, v in trained.items() if k != 'other_embedding'}
     params['embedder'] = {'embedding': jnp.concatenate(
         [frozen_rows, trained['other_embedding'][None]], axis=0)}
@@ -391,10 +391,11 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
     trained = initial_params(target, layers)
   opt_state = optimizer.init(trained)
 
+  # The frozen embedding rows are an argument of the compiled step, not a constant in it.
   @jax.jit
-  def step(trained, opt_state, learning_rate, *batch):
+  def step(trained, opt_state, learning_rate, frozen_rows, *batch):
     opt_state.hyperparams['learning_rate'] = learning_rate
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, *batch)
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, frozen_rows, *batch)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss, acc
 
@@ -408,7 +409,7 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
   i = 0
   while i < steps:
     trained, opt_state, loss, acc = step(trained, opt_state, np.float32(schedule(i)),
-                                         *next(batches))
+                                         frozen_rows, *next(batches))
     if i == 9:  # steps 0-9 include the compiles; time the ones after
       jax.block_until_ready(loss)
       timed_from = time.time()

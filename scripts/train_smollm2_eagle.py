@@ -188,15 +188,17 @@ def train(target, head_ids):
   optimizer = optax.adamw(schedule, weight_decay=0.01)
   opt_state = optimizer.init(trained)
 
+  # The frozen arrays (the target's embedding table, the head) are arguments of the compiled
+  # steps, not constants folded into them: a constant of 100+ MB makes every compile slow.
   @jax.jit
-  def step(trained, opt_state, key, *batch):
+  def step(trained, opt_state, frozen, key, *batch):
     noise = jax.random.uniform(key, batch[1].shape, minval=-_NOISE.value, maxval=_NOISE.value)
     (loss, aux), grads = jax.value_and_grad(
         lambda t: loss_fn(definition, frozen, t, *batch, noise), has_aux=True)(trained)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss, aux
 
-  evaluate_batch = jax.jit(lambda trained, *batch: loss_fn(
+  evaluate_batch = jax.jit(lambda trained, frozen, *batch: loss_fn(
       definition, frozen, trained, *batch, 0.0)[1])
 
   def heldout_accuracy(trained):
@@ -204,7 +206,7 @@ def train(target, head_ids):
     for start in range(0, len(heldout), _BATCH.value):
       batch = make_batch(heldout, list(range(start, min(start + _BATCH.value, len(heldout)))),
                          to_head, replies_only=True)
-      accuracy, _ = evaluate_batch(trained, *map(jnp.asarray, batch))
+      accuracy, _ = evaluate_batch(trained, frozen, *map(jnp.asarray, batch))
       correct += float(accuracy) * batch[3].sum()
       count += batch[3].sum()
     return correct / max(count, 1.0)
@@ -220,8 +222,8 @@ def train(target, head_ids):
     for first in range(0, len(order) - _BATCH.value + 1, _BATCH.value):
       key, noise_key = jax.random.split(key)
       batch = make_batch(seqs, order[first:first + _BATCH.value], to_head)
-      trained, opt_state, loss, (accuracy, regression) = step(trained, opt_state, noise_key,
-                                                             *map(jnp.asarray, batch))
+      trained, opt_state, loss, (accuracy, regression) = step(
+          trained, opt_state, frozen, noise_key, *map(jnp.asarray, batch))
       if i % 25 == 0 or i == steps - 1:
         logging.info('step %d/%d loss %.3f smooth-L1 %.3f argmax accuracy %.3f (%.0fs)', i + 1,
                      steps, float(loss), float(regression), float(accuracy), time.time() - start)
