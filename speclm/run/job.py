@@ -281,6 +281,12 @@ def run_job(*,
       except ValueError as e:
         raise JobError(str(e)) from None
     input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
+    try:
+      encoded = inputs_lib.encode_examples(
+          examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
+          add_eos=add_eos_to_inputs)
+    except inputs_lib.DataError as e:
+      raise JobError(str(e)) from None
     rule = None
     if adaptive_gamma and draft_model is not None:
       print(f'Timing c and r(γ) for adaptive γ (batch {batch_size}, γ ≤ {max_gamma}; cached'
@@ -288,12 +294,6 @@ def run_job(*,
       rule = measure.measure_adaptive_gamma(
           target_model, draft_model, max_gamma=max_gamma, batch_size=batch_size,
           context_length=_cost_context(encoded, max_new_tokens), draft_stopping=draft_stopping)
-    try:
-      encoded = inputs_lib.encode_examples(
-          examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
-          add_eos=add_eos_to_inputs)
-    except inputs_lib.DataError as e:
-      raise JobError(str(e)) from None
 
     # 3. The directory is accepted: the full fingerprint (models included) is recorded or
     #    matched, and only now does anything in it change.
