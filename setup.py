@@ -29,7 +29,7 @@ EXTRAS = {
 EXTRAS['demo'] = sorted(set(GGUF + EXTRAS['metrics']))
 EXTRAS['bench'] = sorted(set(HF + GGUF))  # scripts/benchmark.py
 EXTRAS['test'] = sorted(set(
-    ['pytest', 'scipy'] + HF + GGUF + EXTRAS['orbax'] + EXTRAS['metrics']
+    ['pytest', 'pytest-xdist', 'scipy'] + HF + GGUF + EXTRAS['orbax'] + EXTRAS['metrics']
     + EXTRAS['analysis']))
 
 setuptools.setup(

@@ -62,6 +62,7 @@ from speclm.analysis.benchmarking import median
 from speclm.analysis.benchmarking import ratio
 from speclm.checkpoints import gguf
 from speclm.data import builtin_prompts
+from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
@@ -95,6 +96,10 @@ _SPEC_BENCH_FILE = flags.DEFINE_string(
 _PER_CATEGORY = flags.DEFINE_integer('per_category', 1,
                                      'Spec-Bench prompts taken from each category.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
+_TARGET_LAYERS = flags.DEFINE_integer(
+    'target_layers', 0, 'Smoke runs: cut the target to its first N layers (llama.first_layers;'
+    ' its programs compile in a fraction of the time, its replies are not SmolLM2\'s and its'
+    ' timings mean nothing); 0: the whole model.')
 _OUTPUT = flags.DEFINE_string(
     'output', os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs',
                            'benchmarks.md'), 'Markdown report to write.')
@@ -383,8 +388,12 @@ def main(argv):
   print('loading SmolLM2-135M-Instruct and its draft …', flush=True)
   # The plain models (XLA's products) are what Hugging Face export and the byte count read.
   plain_target, tok = smollm2.load()
-  plain_draft = smollm2_draft.load(plain_target)
   target = smollm2.load_model(cpu_kernels=_CPU_KERNELS.value)
+  if _TARGET_LAYERS.value:
+    plain_target = llama.first_layers(plain_target, _TARGET_LAYERS.value)
+    target = llama.pack_for_cpu(plain_target) if _CPU_KERNELS.value else plain_target
+    print(f'smoke run: the target cut to its first {_TARGET_LAYERS.value} layers', flush=True)
+  plain_draft = smollm2_draft.load(plain_target)
   draft_alone = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
   draft, xla_draft = draft_alone, plain_draft
   if _LOOKUP_MIN_NGRAM.value:
@@ -429,7 +438,8 @@ def main(argv):
   checks = {}
   for batch_size in (1, _BATCH.value):
     base = find(cases, 'speclm baseline', batch_size, 0.0)
-    for name, label in (('speclm speculative', 'speculative'), ('speclm adaptive γ', 'adaptive γ')):
+    for name, label in (('speclm speculative', 'speculative'),
+                        ('speclm adaptive γ', 'adaptive γ')):
       spec = find(cases, name, batch_size, 0.0)
       if spec is not None:
         checks[f'greedy {label} = baseline, batch {batch_size}'] = (
@@ -538,7 +548,8 @@ def main(argv):
 
   base_ms = find(cases, 'speclm baseline', 1, 0.0).ms_per_token()  # per round
   summary = dict(cases=cases, ratios=ratios, per_category=per_category(cases, categories),
-                 rules=rules, gamma_histograms=gamma_histograms(cases), predictions=predictions, checks=checks,
+                 rules=rules, gamma_histograms=gamma_histograms(cases), predictions=predictions,
+                 checks=checks,
                  hf_agreement=hf_agreement, export_error=export_error, costs=costs,
                  bandwidths=bandwidths, floor_ms=floor_ms, target_bytes=target_bytes,
                  base_ms=base_ms, ablations=ablations,
@@ -583,9 +594,15 @@ def gamma_histograms(cases) -> dict[str, list[int]]:
   return out
 
 
+def _cut() -> str:
+  n = _TARGET_LAYERS.value
+  return f'; SMOKE RUN: only its first {n} layers, timings meaningless' if n else ''
+
+
 def render(s: dict) -> str:
   lines = benchmarking.report_header('Benchmarks', 'scripts/benchmark.py', s['seconds']) + [
-      f'- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF) and'
+      '- models: SmolLM2-135M-Instruct (float32, dequantized from the shipped Q4_1 GGUF'
+      f'{_cut()}) and'
       f' the shipped {s["draft_card"].get("num_layers")}-layer draft'
       f' ({s["draft_card"].get("subset_size")}-token head)' + (
           f', with prompt lookup taking over where the last {_LOOKUP_MIN_NGRAM.value}+ tokens'
@@ -649,7 +666,8 @@ def render(s: dict) -> str:
   lines += ['', '## Exactness checks', ''] + benchmarking.check_lines(s['checks'])
   if s['hf_agreement'] is not None:
     a = s['hf_agreement']
-    lines.append(f'- our greedy baseline vs HF greedy `generate()`: {100 * a["token_agreement"]:.1f}%'
+    lines.append('- our greedy baseline vs HF greedy `generate()`:'
+                 f' {100 * a["token_agreement"]:.1f}%'
                  f' of tokens equal; identical prefix per round: {a["identical_prefix"]}'
                  ' (float32 sums in another order can flip a near-tie, after which texts part)')
   if s['export_error'] is not None:

@@ -64,3 +64,16 @@ def draft_script_run(tmp_path_factory):
 
   run(f'--work_dir={work}', f'--output_dir={out}', '--noevaluate')
   return types.SimpleNamespace(work_dir=str(work), output_dir=str(out), run=run)
+
+
+# pytest-xdist (`-n 2` in pytest.ini): each test module runs whole on one worker, so its
+# module-scoped fixtures (loaded models, compiled loops) are built once; the two modules that
+# share the session's training-script run (`draft_script_run`) run on the same worker.
+_SHARED_GROUPS = {'test_train_draft_script': 'draft_script',
+                  'test_train_eagle_script': 'draft_script'}
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    module = item.module.__name__.rsplit('.', 1)[-1]
+    item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(module, module)))

@@ -23,6 +23,7 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--rounds=1',
        '--max_new_tokens=6', '--batch_size=2', '--ablations=false', '--max_gamma=2',
+       '--target_layers=2',
        f'--output={report}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -48,13 +49,10 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
 def test_spec_bench_workload_reads_questions_and_refuses_a_missing_file(tmp_path):
   """The Spec-Bench reader (the file itself is not shipped): first turns, per category,
   categories interleaved; a missing file is a usage error naming where to get it."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
   from absl import app  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(
-      'benchmark_script', os.path.join(REPO, 'scripts', 'benchmark.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  from speclm.testing import scripts  # pylint: disable=import-outside-toplevel
+  module = scripts.load_script(os.path.join(REPO, 'scripts', 'benchmark.py'))
   path = tmp_path / 'question.jsonl'
   rows = [{'question_id': i, 'category': c, 'turns': [f'{c} {i}', 'second turn']}
           for i, c in enumerate(['mt_bench', 'mt_bench', 'translation', 'summarization',

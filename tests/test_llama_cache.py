@@ -129,3 +129,19 @@ def test_rope_scaling_frequencies():
   # High frequencies (short wavelengths) are kept, the lowest are divided by the factor.
   assert scaled[0] == pytest.approx(plain[0])
   assert scaled[-1] == pytest.approx(plain[-1] / 8, rel=1e-5)
+
+
+def test_first_layers_is_the_model_stopped_early(model):
+  """`llama.first_layers(model, 1)`: the embedding, layer 0, the final norm and the head; its
+  logits are those of a 1-layer Llama given exactly those parameters; no other layer is kept."""
+  cut = llama.first_layers(model, 1)
+  assert cut.definition.config.num_layers == 1
+  assert sorted(cut.params) == sorted(k for k in model.params if k != 'layers_1')
+  tokens = jnp.array([[3, 1, 4, 1, 5]])
+  one_layer = llama.Llama(cut.definition.config)
+  np.testing.assert_array_equal(jax.jit(cut.definition.forward)(cut.params, tokens),
+                                jax.jit(one_layer.forward)(dict(cut.params), tokens))
+  assert not np.allclose(jax.jit(model.definition.forward)(model.params, tokens),
+                         jax.jit(cut.definition.forward)(cut.params, tokens))
+  with pytest.raises(ValueError, match='1..2'):
+    llama.first_layers(model, 3)

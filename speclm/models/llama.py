@@ -401,6 +401,19 @@ def untie_head(model: protocol.Model) -> protocol.Model:
   return protocol.Model(definition, params)
 
 
+def first_layers(model: protocol.Model, num_layers: int) -> protocol.Model:
+  """The model cut to its first `num_layers` decoder layers (embedding, final norm and head
+  kept): a cheap stand-in with the real weights' shapes and vocabulary, for smoke runs whose
+  programs would take minutes to compile with every layer. Its outputs are not the model's."""
+  config = model.definition.config
+  if not 1 <= num_layers <= config.num_layers:
+    raise ValueError(f'num_layers must be in 1..{config.num_layers}, got {num_layers}')
+  params = {k: v for k, v in model.params.items()
+            if not k.startswith('layers_') or int(k[len('layers_'):]) < num_layers}
+  definition = Llama(dataclasses.replace(config, num_layers=num_layers))
+  return protocol.Model(definition, params)
+
+
 def pack_for_cpu(model: protocol.Model, bfloat16_head: bool = False) -> protocol.Model:
   """The same model with every projection also stored for `speclm.kernels.cpu_matmul`.
 
