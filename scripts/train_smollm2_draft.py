@@ -87,7 +87,8 @@ _SELF_PROMPTS = flags.DEFINE_integer('self_prompts', 0,
 _SELF_PROMPT_TOKENS = flags.DEFINE_integer('self_prompt_tokens', 64,
                                            'Length limit of a self-written request.')
 _SAMPLED_REPLIES = flags.DEFINE_integer('sampled_replies', 1,
-                                        'Temperature-1 replies per prompt (besides the greedy one).')
+                                        'Temperature-1 replies per prompt (besides the greedy'
+                                        ' one).')
 _PROMPT_WIDTH = flags.DEFINE_integer('prompt_width', 32,
                                      'Prompt batches are padded to a multiple of this width'
                                      ' (one value above every prompt: one compiled decode).')
@@ -419,7 +420,8 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
       per_step = (time.time() - timed_from) / 50
       affordable = 60 + int((budget - (time.time() - start)) / per_step)
       if affordable < steps:
-        logging.info('%.1f ms per step: %d steps fit in a training budget of %.0f s (instead of %d)',
+        logging.info('%.1f ms per step: %d steps fit in a training budget of %.0f s'
+                     ' (instead of %d)',
                      per_step * 1e3, max(affordable, i + 1), budget, steps)
         steps = max(affordable, i + 1)
         schedule = _schedule(warmup, steps)
@@ -471,6 +473,41 @@ def model_card(m: dict, file_bytes: int) -> str:
   held, demo = m['heldout'], m['demo']
   self_written = (f" and {m['self_prompts']:,} requests SmolLM2 wrote itself (sampled after its"
                   " chat template's user header)" if m.get('self_prompts') else '')
+  training = (
+      f"{m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all"
+      f" ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run:"
+      f" peak learning rate {m['learning_rate']:g}, batch {m['batch_size']},"
+      f" {m['epochs']:g} epochs); loss on reply positions: {m.get('soft_weight', 0):g} ×"
+      " cross-entropy against the target's temperature-1 distribution (its top"
+      f" {m.get('label_top_k', 0)} tokens) + {1 - m.get('soft_weight', 0):g} × next-token"
+      f" cross-entropy; final batch loss {m['final_loss']:.3f}, argmax accuracy"
+      f" {m['final_argmax_accuracy']:.3f}")
+  train_seconds = m['train_seconds'] + m.get('earlier_train_seconds', 0)
+  table = '\n'.join(f'| {name} | {value} |' for name, value in [
+      ('file', f'`draft.safetensors`, {file_bytes / 1e6:.1f} MB (bfloat16)'),
+      ('architecture', f"Llama, {m['num_layers']} layers of width {m['embed_dim']} (SmolLM2's"
+                       f" heads and MLP), initialised from target layers {m['init_layers']}"),
+      ('vocabulary', f"SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the"
+                     " rest), embeddings borrowed from the target at load time"),
+      ('target', m['target']),
+      ('data', f"SmolLM2's replies to {m['training_prompts']} built-in training"
+               f" prompts{self_written}, once greedy and {_times(m.get('sampled_replies', 1))}"
+               f" sampled at temperature 1, up to {m['max_new_tokens']} tokens each:"
+               f" {m['sequences']:,} sequences, {m['reply_tokens_per_epoch']:,} reply tokens"),
+      ('training', training),
+      ('seed', m['seed']),
+      ('recipe', 'the commands in the docstring of `scripts/train_smollm2_draft.py`'),
+      ('wall time', f"generation {m['generation_seconds'] / 60:.1f} min, training"
+                    f" {train_seconds / 60:.1f} min, on"
+                    f" {m.get('hardware', '2 shared CPU cores')}"),
+  ])
+  rows = '\n'.join(
+      f"| {label} | {r['alpha_t0']:.3f} | {r['tokens_per_call_t0']:.2f} |"
+      f" {r['alpha_t1']:.3f} | {r['tokens_per_call_t1']:.2f} |"
+      for label, r in ((f"{held['prompts']} held-out prompts (topics absent from training)", held),
+                       (f"the {demo.get('prompts', 8)} demo prompts", demo)))
+  measured_on = m.get('alpha_measured_on', m.get('hardware', 'CPU'))
+  new_tokens = m.get('alpha_new_tokens', 64)
   return f"""# SmolLM2-135M-Instruct draft (speclm)
 
 A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the target, made by
@@ -478,22 +515,13 @@ A draft model M_q for speculative decoding with SmolLM2-135M-Instruct as the tar
 
 | | |
 | --- | --- |
-| file | `draft.safetensors`, {file_bytes / 1e6:.1f} MB (bfloat16) |
-| architecture | Llama, {m['num_layers']} layers of width {m['embed_dim']} (SmolLM2's heads and MLP), initialised from target layers {m['init_layers']} |
-| vocabulary | SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the rest), embeddings borrowed from the target at load time |
-| target | {m['target']} |
-| data | SmolLM2's replies to {m['training_prompts']} built-in training prompts{self_written}, once greedy and {_times(m.get('sampled_replies', 1))} sampled at temperature 1, up to {m['max_new_tokens']} tokens each: {m['sequences']:,} sequences, {m['reply_tokens_per_epoch']:,} reply tokens |
-| training | {m['steps'] + m.get('earlier_steps', 0)} steps of AdamW in all ({m.get('earlier_steps', 0)} in earlier runs continued with `--init_from`; this run: peak learning rate {m['learning_rate']:g}, batch {m['batch_size']}, {m['epochs']:g} epochs); loss on reply positions: {m.get('soft_weight', 0):g} × cross-entropy against the target's temperature-1 distribution (its top {m.get('label_top_k', 0)} tokens) + {1 - m.get('soft_weight', 0):g} × next-token cross-entropy; final batch loss {m['final_loss']:.3f}, argmax accuracy {m['final_argmax_accuracy']:.3f} |
-| seed | {m['seed']} |
-| recipe | the commands in the docstring of `scripts/train_smollm2_draft.py` |
-| wall time | generation {m['generation_seconds'] / 60:.1f} min, training {(m['train_seconds'] + m.get('earlier_train_seconds', 0)) / 60:.1f} min, on {m.get('hardware', '2 shared CPU cores')} |
+{table}
 
-## Acceptance rate α (measured by speculative decoding, γ = {m['gamma']}, {m.get('alpha_new_tokens', 64)} new tokens, float32, on {m.get('alpha_measured_on', m.get('hardware', 'CPU'))})
+## Acceptance rate α (γ = {m['gamma']}, {new_tokens} new tokens, float32, on {measured_on})
 
-| prompts | α at temperature 0 | tokens / target call | α at temperature 1 | tokens / target call |
+| prompts | α at T = 0 | tokens / target call | α at T = 1 | tokens / target call |
 | --- | --- | --- | --- | --- |
-| {held['prompts']} held-out prompts (topics absent from training) | {held['alpha_t0']:.3f} | {held['tokens_per_call_t0']:.2f} | {held['alpha_t1']:.3f} | {held['tokens_per_call_t1']:.2f} |
-| the {demo.get('prompts', 8)} demo prompts | {demo['alpha_t0']:.3f} | {demo['tokens_per_call_t0']:.2f} | {demo['alpha_t1']:.3f} | {demo['tokens_per_call_t1']:.2f} |
+{rows}
 
 `tests/test_smollm2_draft.py` checks that the file loads with these sizes and that α at
 temperature 0 on the held-out prompts is at least the figure above minus 0.05.

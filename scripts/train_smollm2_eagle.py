@@ -282,6 +282,27 @@ def model_card(m: dict, file_bytes: int) -> str:
       for key, label in (('heldout', f'{m["heldout"]["prompts"]} held-out prompts (topics'
                                       ' absent from training)'),
                          ('demo', f'{m["demo"]["prompts"]} demo prompts')))
+  table = '\n'.join(f'| {name} | {value} |' for name, value in [
+      ('file', f'`{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16)'),
+      ('architecture', f"fuse [token embedding; target feature] -> {m['num_layers']} Llama"
+                       f" layer(s) of width {m['embed_dim']} (from target layer"
+                       f" {m['init_layer']}) -> predicted feature -> the target's embedding"
+                       f" rows for {m['head_size']} tokens (q = 0 on the rest)"),
+      ('target', m['target']),
+      ('data', f"{m['sequences']} prompts with SmolLM2's greedy replies"
+               " (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts"
+               " and requests SmolLM2 wrote itself) and SmolLM2's features at every position"
+               f" ({m['tokens_per_epoch']:,} tokens)"),
+      ('training', f"{m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate"
+                   f" {m['learning_rate']}, {m['epochs']} epochs; loss smooth-L1 on features +"
+                   f" {m['cls_weight']} × next-token cross-entropy, input noise"
+                   f" ±{m['feature_noise']}; argmax accuracy on the replies of the held-out"
+                   f" data shard, teacher-forced, {m['heldout_accuracy']:.3f}"),
+      ('seed', m['seed']),
+      ('wall time', f"generating the replies {m['generation_seconds'] / 60:.1f} min, features"
+                    f" {m['feature_seconds'] / 60:.1f} min, training"
+                    f" {m['train_seconds'] / 60:.1f} min, on {m['hardware']}"),
+  ])
   return f"""# SmolLM2-135M-Instruct EAGLE-style draft (speclm)
 
 A feature-conditioned draft M_q (`speclm.models.eagle`) for SmolLM2-135M-Instruct, made by
@@ -290,17 +311,11 @@ reproduce).
 
 | | |
 | --- | --- |
-| file | `{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16) |
-| architecture | fuse [token embedding; target feature] -> {m['num_layers']} Llama layer(s) of width {m['embed_dim']} (from target layer {m['init_layer']}) -> predicted feature -> the target's embedding rows for {m['head_size']} tokens (q = 0 on the rest) |
-| target | {m['target']} |
-| data | {m['sequences']} prompts with SmolLM2's greedy replies (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts and requests SmolLM2 wrote itself) and SmolLM2's features at every position ({m['tokens_per_epoch']:,} tokens) |
-| training | {m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate {m['learning_rate']}, {m['epochs']} epochs; loss smooth-L1 on features + {m['cls_weight']} × next-token cross-entropy, input noise ±{m['feature_noise']}; argmax accuracy on the replies of the held-out data shard, teacher-forced, {m['heldout_accuracy']:.3f} |
-| seed | {m['seed']} |
-| wall time | generating the replies {m['generation_seconds']/60:.1f} min, features {m['feature_seconds']/60:.1f} min, training {m['train_seconds']/60:.1f} min, on {m['hardware']} |
+{table}
 
-## Acceptance rate α (speculative decoding, γ = {m['gamma']}, {m['max_new_tokens_alpha']} new tokens, float32)
+## Acceptance rate α (γ = {m['gamma']}, {m['max_new_tokens_alpha']} new tokens, float32)
 
-| prompts | α at temperature 0 | tokens / target call | α at temperature 1 | tokens / target call |
+| prompts | α at T = 0 | tokens / target call | α at T = 1 | tokens / target call |
 | --- | --- | --- | --- | --- |
 {rows}
 
