@@ -73,7 +73,14 @@ _SHARED_GROUPS = {'test_train_draft_script': 'draft_script',
                   'test_train_eagle_script': 'draft_script'}
 
 
+# Groups are handed out in collection order: those with slow tests go first, so that the last
+# group a worker takes is a short one.
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(items):
+  groups = {}
   for item in items:
     module = item.module.__name__.rsplit('.', 1)[-1]
-    item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(module, module)))
+    groups[item] = _SHARED_GROUPS.get(module, module)
+    item.add_marker(pytest.mark.xdist_group(groups[item]))
+  slow = {groups[item] for item in items if item.get_closest_marker('slow')}
+  items.sort(key=lambda item: groups[item] not in slow)  # stable: file order otherwise

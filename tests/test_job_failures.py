@@ -456,6 +456,7 @@ cli.run_main()
 '''
 
 
+@pytest.mark.slow
 def test_killed_at_random_points_then_resumed_equals_an_uninterrupted_run(tmp_path):
   num_examples = 10
   args = [*TINY, f'--gin.synthetic_dataset.num_examples={num_examples}', '--gin.BATCH_SIZE=2',

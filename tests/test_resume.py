@@ -103,6 +103,7 @@ def _num_lines(path):
     return 0
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tmp_path):
   output_dir = tmp_path / 'out'
   predictions = output_dir / outputs.PREDICTIONS

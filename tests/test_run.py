@@ -86,7 +86,8 @@ def test_compare_job_reports_everything(tmp_path):
   on_disk = json.loads((tmp_path / 'metrics.json').read_text())
   assert on_disk['alpha'] == pytest.approx(metrics['alpha'])
   config = (tmp_path / 'config.gin').read_text()
-  assert "OUTPUT_DIR = '" in config and 'run_job.mode' in config
+  # (gin breaks a binding longer than 80 characters after its '=')
+  assert 'OUTPUT_DIR =' in config and f"'{tmp_path}'" in config and 'run_job.mode' in config
   assert 'random_llama.num_layers' in (tmp_path / 'operative_config.gin').read_text()
 
 

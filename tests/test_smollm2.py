@@ -115,6 +115,7 @@ def test_chat_template_renders_a_user_message(smol):
   assert tok.decode(ids, skip_special_tokens=False, stop_at_eos=False) == tok.render_chat('Hi')
 
 
+@pytest.mark.slow
 def test_logits_and_tokens_match_hugging_face(smol, batch):
   """HF's `LlamaForCausalLM`, loaded from the same GGUF file, gives the same logits.
 

@@ -39,6 +39,7 @@ def test_file_matches_model_card(shipped):
   assert trained['other_embedding'].shape == (width,)
 
 
+@pytest.mark.slow
 def test_alpha_on_heldout_prompts_matches_the_card(target, shipped):
   _, _, metadata = shipped
   draft = smollm2_draft.load(target)
