@@ -26,6 +26,14 @@ if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
   _CACHE_DIR = tempfile.mkdtemp(prefix='speclm-tests-jax-cache-')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+# XLA's CPU backend without LLVM's optimisation passes: compiling, which dominates the suite,
+# takes about half the time, and the small programs run about as fast. The semantics are
+# the same (the tests compare programs built alike, or to tolerances); the benchmarks, the
+# demo and every user run optimised code, and scripts/benchmark.py checks exactness there.
+# Subprocesses inherit it; tests that set XLA_FLAGS for a subprocess append to it.
+if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + ' --xla_backend_optimization_level=0').strip()
 # Programs that take at least this long to compile are stored (JAX's default is 1 s).
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.3')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
