@@ -388,11 +388,10 @@ def main(argv):
   print('loading SmolLM2-135M-Instruct and its draft …', flush=True)
   # The plain models (XLA's products) are what Hugging Face export and the byte count read.
   plain_target, tok = smollm2.load()
-  target = smollm2.load_model(cpu_kernels=_CPU_KERNELS.value)
   if _TARGET_LAYERS.value:
     plain_target = llama.first_layers(plain_target, _TARGET_LAYERS.value)
-    target = llama.pack_for_cpu(plain_target) if _CPU_KERNELS.value else plain_target
     print(f'smoke run: the target cut to its first {_TARGET_LAYERS.value} layers', flush=True)
+  target = llama.pack_for_cpu(plain_target) if _CPU_KERNELS.value else plain_target
   plain_draft = smollm2_draft.load(plain_target)
   draft_alone = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
   draft, xla_draft = draft_alone, plain_draft

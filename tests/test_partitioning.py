@@ -30,10 +30,15 @@ LOGITS_ATOL = 1e-5
 MESHES = ('1x8', '8x1', '2x4')
 
 
+def _xla_flags(devices: int) -> str:
+  """The session's XLA_FLAGS (tests/conftest.py) with `devices` host CPU devices."""
+  return (os.environ.get('XLA_FLAGS', '')
+          + f' --xla_force_host_platform_device_count={devices}').strip()
+
+
 def run_checks(*checks, devices=8, timeout=900):
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '')
-                      + f' --xla_force_host_platform_device_count={devices}').strip()
+  env['XLA_FLAGS'] = _xla_flags(devices)
   env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'tests', 'multidevice_checks.py'),
@@ -229,8 +234,7 @@ def _two_process_env() -> dict[str, str]:
   compilation cache (tests/conftest.py): a process that loaded its programs from it while the
   other compiled would wait at the first collective past gloo's 30 s deadline."""
   env = dict(os.environ)
-  env.update(XLA_FLAGS=(env.get('XLA_FLAGS', '')
-                        + ' --xla_force_host_platform_device_count=4').strip(), JAX_PLATFORMS='cpu',
+  env.update(XLA_FLAGS=_xla_flags(4), JAX_PLATFORMS='cpu',
              PYTHONPATH=REPO + os.pathsep + env.get('PYTHONPATH', ''),
              JAX_ENABLE_COMPILATION_CACHE='false')
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
