@@ -209,26 +209,13 @@ def workload_prompts() -> list[tuple[str, str]]:
   return [('demo', p) for p in builtin_prompts.demo_prompts()]
 
 
-def _prompt_batch(tok, prompts, width: int):
-  """Chat-encoded prompts right-padded to one `width` (one compiled shape for every round)."""
-  rows = [tok.encode_chat(p) for p in prompts]
-  tokens = np.full((len(rows), width), tok.pad_id or 0, np.int32)
-  for b, row in enumerate(rows):
-    tokens[b, :len(row)] = row
-  return tokens, np.array([len(r) for r in rows], np.int32)
-
-
-def _width(length: int) -> int:
-  """Prompts are padded to a multiple of 128 tokens (one compiled shape per multiple)."""
-  return 128 * -(-length // 128)
-
-
 def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, xla_models=None,
                  draft_alone=None, float32_draft=None) -> list[Case]:
   """`rules`: batch size -> the `adaptive.AdaptiveGamma` of the adaptive cases (None: none)."""
-  width = _width(max(len(tok.encode_chat(p)) for p in prompts))
-  single = [_prompt_batch(tok, [p], _width(len(tok.encode_chat(p)))) for p in prompts]
-  batches = [_prompt_batch(tok, [prompts[(k + i) % len(prompts)] for i in range(_BATCH.value)],
+  width = benchmarking.padded_width(max(len(tok.encode_chat(p)) for p in prompts))
+  single = [benchmarking.chat_prompt_batch(tok, [p]) for p in prompts]
+  batches = [benchmarking.chat_prompt_batch(
+                 tok, [prompts[(k + i) % len(prompts)] for i in range(_BATCH.value)],
                            width) for k in range(0, len(prompts), _BATCH.value)]
 
   def make(name, group, batch_size, sampling, model, draft_model=None, before=False,

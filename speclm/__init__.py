@@ -10,10 +10,14 @@ from speclm.protocol import LanguageModel
 from speclm.protocol import Model
 from speclm.sampling import GREEDY
 from speclm.sampling import SamplingConfig
+from speclm.token_trees import DynamicTree
+from speclm.token_trees import TreeShape
+from speclm.tree_decoding import tree_speculative_decode
 
 __all__ = [
-    'AdaptiveGamma', 'DecodeResult', 'DecodeStats', 'GREEDY', 'LanguageModel', 'Model', 'SamplingConfig',
-    'StopReason', 'autoregressive_decode', 'speculative_decode',
+    'AdaptiveGamma', 'DecodeResult', 'DecodeStats', 'DynamicTree', 'GREEDY', 'LanguageModel',
+    'Model', 'SamplingConfig', 'StopReason', 'TreeShape', 'autoregressive_decode',
+    'speculative_decode', 'tree_speculative_decode',
 ]
 
 __version__ = '0.1.0'

@@ -84,7 +84,11 @@ class DecodeStats:
       beta_count has no sampling noise (Corollary 3.6 along the decoded sequences).
     beta_sum_per_row, beta_count_per_row: `[B]` the same per row.
     gamma_histogram: `[G+1]` how many rounds drafted (and verified) γ = 0 … G tokens; with a
-      fixed γ every round counts at G, with `adaptive.AdaptiveGamma` G is its γ_max.
+      fixed γ every round counts at G, with `adaptive.AdaptiveGamma` G is its γ_max. For a
+      token tree (`speclm.tree_decoding`) G is the tree's depth and n the accepted depth.
+    rank_offered, rank_accepted: `[R]` token trees only (None for chains): at the reached
+      nodes with children, how many had more than r children, and how often the kept child
+      was the one of rank r (0 = the draft's first choice).
   """
 
   target_calls: jax.Array
@@ -97,6 +101,8 @@ class DecodeStats:
   beta_sum_per_row: jax.Array
   beta_count_per_row: jax.Array
   gamma_histogram: jax.Array
+  rank_offered: jax.Array | None = None
+  rank_accepted: jax.Array | None = None
 
   @property
   def alpha(self) -> float:
@@ -681,18 +687,27 @@ def _count_round(stats: DecodeStats, result: speculative.RoundResult, active, go
   `active` rows count the target call; only `good` rows count their n and β (`_reached_beta`)
   — a round discarded for bad logits counts as a target call, nothing else.
   """
-  gamma = result.beta.shape[1]
-  n = result.num_accepted
   beta_row, count_row = _reached_beta(result, good, num_drafted)
+  return add_round(stats, num_accepted=result.num_accepted, active=active, good=good,
+                   beta_row=beta_row, count_row=count_row, drafted=num_drafted,
+                   draft_calls=jnp.where(draft_runs, jnp.maximum(num_drafted, 1), 0))
+
+
+def add_round(stats: DecodeStats, *, num_accepted, active, good, beta_row, count_row, drafted,
+              draft_calls) -> DecodeStats:
+  """The counters every round adds (chains and token trees): one target call, its draft
+  calls, the round in `gamma_histogram` at `drafted`, and for `good` rows their accepted n
+  (`accepted_histogram`) and the β sums and counts of the positions they reached."""
+  width = stats.accepted_histogram.shape[0]
+  n = num_accepted
   return stats.replace(
       target_calls=stats.target_calls + 1,
-      draft_calls=stats.draft_calls + jnp.where(draft_runs, jnp.maximum(num_drafted, 1), 0),
-      gamma_histogram=stats.gamma_histogram + jax.nn.one_hot(num_drafted, gamma + 1,
-                                                             dtype=jnp.int32),
+      draft_calls=stats.draft_calls + draft_calls,
+      gamma_histogram=stats.gamma_histogram + jax.nn.one_hot(drafted, width, dtype=jnp.int32),
       target_calls_per_row=stats.target_calls_per_row + active,
       accepted_per_row=stats.accepted_per_row + jnp.where(good, n, 0),
       accepted_histogram=stats.accepted_histogram + jnp.sum(
-          jax.nn.one_hot(n, gamma + 1, dtype=jnp.int32) * good[:, None], axis=0),
+          jax.nn.one_hot(n, width, dtype=jnp.int32) * good[:, None], axis=0),
       beta_sum=stats.beta_sum + jnp.sum(beta_row),
       beta_count=stats.beta_count + jnp.sum(count_row),
       beta_sum_per_row=stats.beta_sum_per_row + beta_row,

@@ -61,6 +61,29 @@ class LanguageModel(abc.ABC):
   def last_prefix_token(self, inputs: jax.Array, input_lengths: jax.Array) -> jax.Array:
     """`[B]` the last token of the sequence after `prefill` (the prompt's last, or the start token)."""
 
+  # Token trees (`speclm.token_trees`). Optional: models without them refuse tree decoding.
+  def extend_tree(self, params: Params, tokens: jax.Array, tree: Any,
+                  cache: Cache) -> tuple[jax.Array, Cache]:
+    """Appends a token tree of K nodes `tokens` `[B, K]` after each row's length.
+
+    `tree` is a `speclm.token_trees.TreeLayout`. Node k is written to cache slot
+    `length + k` but sits at sequence position `length + depths[k]`, and attends to the
+    row's committed positions and to its own ancestors only (`tree.ancestors`). Returns
+    logits `[B, K, V]` (node k's predict the token after it) and the cache with lengths
+    increased by K; `keep_tree_path` then makes one path an ordinary sequence. With a chain
+    (node k's parent k−1) this is `extend`.
+    """
+    raise NotImplementedError(
+        f'{type(self).__name__} does not verify token trees (no extend_tree); use a chain'
+        ' (speculative_decode with gamma) or a model that implements it (Llama, T5, n-gram'
+        ' and lookup drafts).')
+
+  def keep_tree_path(self, cache: Cache, start: jax.Array, path: jax.Array) -> Cache:
+    """Makes a tree path contiguous: for i < M, the entry in slot `start + path[b, i]` moves
+    to slot `start + i` (`start` `[B]`, `path` `[B, M]`, increasing, path[b, i] >= i). Lengths
+    are unchanged (roll back to the kept length afterwards)."""
+    raise NotImplementedError(f'{type(self).__name__} does not verify token trees.')
+
   # Functional cache bookkeeping; models whose cache is a struct with `lengths` keep these.
   def cache_lengths(self, cache: Cache) -> jax.Array:
     """`[B]` int32 positions held by each row."""
@@ -102,6 +125,9 @@ class WrappedLanguageModel(LanguageModel):
 
   def cache_capacity(self, cache):
     return self.inner.cache_capacity(cache)
+
+  def keep_tree_path(self, cache, start, path):
+    return self.inner.keep_tree_path(cache, start, path)
 
   @property
   def max_context_length(self) -> int | None:

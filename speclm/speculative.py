@@ -104,3 +104,105 @@ def speculative_round(
   beta = acceptance_overlap(target_probs[:, :gamma], draft_probs)
   return RoundResult(num_accepted=num_accepted.astype(jnp.int32), next_token=next_token,
                      beta=beta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token trees: one round over several candidates per position (shape letters as above, plus
+# N tree nodes, node 0 the root, D the tree's depth).
+
+
+@struct.dataclass
+class TreeRoundResult:
+  """What one tree round decided, per row.
+
+  Attributes:
+    path: `[B, D]` int32, the accepted nodes from the root down (entries past n are 0).
+    num_accepted: `[B]` int32, n: drafted tokens kept (the accepted path's length).
+    next_token: `[B]` int32, drawn after the last accepted node: from the residual left
+      after all its children were rejected, or from p̃ at a leaf.
+  """
+
+  path: jax.Array
+  num_accepted: jax.Array
+  next_token: jax.Array
+
+
+def without_replacement_proposals(node_probs: jax.Array, tokens: jax.Array,
+                                  parents: jax.Array) -> jax.Array:
+  """The distribution each node's token was drawn from, when siblings are drawn without
+  replacement from their parent's q̃ (Jeon et al., 2024, "Recursive Speculative Decoding").
+
+  Node k's sibling of rank r is drawn from q̃_parent with the tokens of its r earlier siblings
+  removed and the rest renormalized; that is the q its acceptance test and residual must use.
+
+  Args:
+    node_probs: `[B, N, V]` q̃ at each node (the distribution of its children's tokens).
+    tokens: `[B, N]` each node's token.
+    parents: `[B, N]` parent indices (-1 for the root).
+
+  Returns:
+    `[B, N, V]` each node's proposal distribution (row 0, the root's, is unused).
+  """
+  parent_probs = jnp.take_along_axis(node_probs, jnp.maximum(parents, 0)[:, :, None], axis=1)
+  num_nodes = tokens.shape[1]
+  earlier = jnp.arange(num_nodes)[None, :] < jnp.arange(num_nodes)[:, None]  # [N(k), N(j)]
+  siblings = (parents[:, :, None] == parents[:, None, :]) & earlier[None]  # [B, N, N]
+  vocab = node_probs.shape[-1]
+  removed = jnp.einsum('bkj,bjv->bkv', siblings.astype(jnp.float32),
+                       jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)) > 0
+  kept = jnp.where(removed, 0.0, parent_probs)
+  mass = jnp.sum(kept, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, kept / jnp.where(mass > 0, mass, 1.0), 0.0)
+
+
+def tree_round(target_probs: jax.Array, tokens: jax.Array, parents: jax.Array,
+               proposals: jax.Array, uniforms: jax.Array, rng: jax.Array,
+               depth: int) -> TreeRoundResult:
+  """Accepts a path of a token tree for every row, keeping the target's distribution exact.
+
+  Recursive rejection over siblings (SpecInfer's multi-step speculative sampling; SpecTr):
+  from the root, the children of the current node u are tried in order. A child x drawn from
+  q_x (`proposals`) is kept with probability min(1, p(x)/q_x(x)), where p starts as p̃_u;
+  a rejection replaces p by the residual norm(max(0, p − q_x)) (Algorithm 1's correction)
+  and the next sibling is tried against it. On acceptance the walk moves to the child with
+  p = p̃_child. When no child is kept, the next token is drawn from p. Each sibling test is
+  one step of Algorithm 1 between p and q_x, so by Appendix A.1 the token emitted at every
+  depth is distributed as p̃_u exactly, provided each child's token was drawn from its q_x
+  given what came before: one-hot q_x for deterministic candidates (the draft's top
+  choices), `without_replacement_proposals` for sampled siblings.
+
+  Args:
+    target_probs: `[B, N, V]` p̃ at each node (one target call over the tree).
+    tokens: `[B, N]` node tokens (node 0, the root, is already committed).
+    parents: `[B, N]` parent indices in topological order (parents[:, k] < k; -1 root).
+    proposals: `[B, N, V]` the distribution each node's token came from.
+    uniforms: `[B, N]` r ~ U[0, 1), one per node.
+    rng: key for the token drawn after the accepted path.
+    depth: static, the longest path (the size of `path`).
+  """
+  batch = tokens.shape[0]
+
+  def step(carry, node):
+    current, probs, path, num = carry
+    token, parent, proposal, node_probs, uniform, index = node
+    is_child = parent == current
+    p_of_x = jnp.take_along_axis(probs, token[:, None], axis=-1)[:, 0]
+    q_of_x = jnp.take_along_axis(proposal, token[:, None], axis=-1)[:, 0]
+    kept = uniform < acceptance_probability(p_of_x, q_of_x)
+    accept = is_child & kept
+    reject = is_child & ~kept
+    probs = jnp.where(accept[:, None], node_probs,
+                      jnp.where(reject[:, None], residual_distribution(probs, proposal), probs))
+    slot = jax.nn.one_hot(num, depth, dtype=jnp.bool_) & accept[:, None]
+    path = jnp.where(slot, index[:, None], path)
+    return (jnp.where(accept, index, current), probs, path,
+            num + accept.astype(jnp.int32)), None
+
+  nodes = (tokens.T[1:], parents.T[1:], jnp.swapaxes(proposals, 0, 1)[1:],
+           jnp.swapaxes(target_probs, 0, 1)[1:], uniforms.T[1:],
+           jnp.broadcast_to(jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[:, None],
+                            (tokens.shape[1] - 1, batch)))
+  carry = (jnp.zeros((batch,), jnp.int32), target_probs[:, 0],
+           jnp.zeros((batch, depth), jnp.int32), jnp.zeros((batch,), jnp.int32))
+  (_, probs, path, num), _ = jax.lax.scan(step, carry, nodes)
+  return TreeRoundResult(path=path, num_accepted=num, next_token=sampling.sample(rng, probs))

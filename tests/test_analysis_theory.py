@@ -287,3 +287,48 @@ def test_cli_theory_prints_predictions_and_writes_files(tmp_path, capsys):
 def test_cli_reports_bad_values_without_a_traceback(capsys):
   assert cli.main(['theory', '--alpha', '1.5']) == 2
   assert 'alpha' in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Token trees
+
+
+def test_tree_expected_tokens_of_a_chain_is_eq1():
+  for alpha, gamma in [(0.6, 2), (0.8, 5), (0.3, 1)]:
+    chain = [-1] + list(range(gamma))
+    assert theory.tree_expected_tokens(chain, [alpha]) == pytest.approx(
+        theory.expected_tokens_per_iteration(alpha, gamma))
+
+
+def test_tree_expected_tokens_by_hand():
+  # Root with children of ranks 0 and 1; the rank-0 child has one child (rank 0).
+  tree = [-1, 0, 0, 1]
+  a0, a1 = 0.5, 0.2
+  assert theory.tree_expected_tokens(tree, [a0, a1]) == pytest.approx(1 + a0 + a1 + a0 * a0)
+  # A rank beyond the rates is never kept.
+  assert theory.tree_expected_tokens([-1, 0, 0, 0], [0.5, 0.2]) == pytest.approx(1.7)
+  assert theory.tree_walltime_improvement(tree, [a0, a1], c=0.1, r=1.2) == pytest.approx(
+      (1 + a0 + a1 + a0 * a0) / (2 * 0.1 + 1.2))
+  np.testing.assert_allclose(theory.rank_acceptance_rates([30, 5, 0], [60, 50, 0]),
+                             [0.5, 0.1, 0.0])
+
+
+def test_tree_theory_refuses_bad_input():
+  with pytest.raises(ValueError, match='root'):
+    theory.tree_expected_tokens([0, 0], [0.5])
+  with pytest.raises(ValueError, match='summing'):
+    theory.tree_expected_tokens([-1, 0], [0.8, 0.5])
+
+
+def test_choose_tree_pays_for_width_only_when_the_tokens_do():
+  chain = [-1, 0, 1, 2]
+  wide = [-1, 0, 0, 0, 1, 1, 2]  # 3 candidates at the root
+  rates = [0.5, 0.2, 0.1]
+  # Verification as cheap for 7 rows as for 4: the wider tree wins (more tokens per call).
+  best, predicted = theory.choose_tree({'chain': chain, 'wide': wide}, rates, c=0.05,
+                                       r={'chain': 1.0, 'wide': 1.0})
+  assert best == 'wide' and predicted['wide'] > predicted['chain']
+  # On a CPU where 7 rows cost 1.6 steps the chain wins.
+  best, _ = theory.choose_tree({'chain': chain, 'wide': wide}, rates, c=0.05,
+                               r={'chain': 1.05, 'wide': 1.6})
+  assert best == 'chain'

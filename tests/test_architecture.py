@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Bottom to top, as in WORKSPACE.md. A module belongs to the layer of its longest matching
 # prefix; it may import its own layer and those below.
 LAYERS = (
-    ('foundations', ('speclm.sampling', 'speclm.protocol', 'speclm.trees')),
+    ('foundations', ('speclm.sampling', 'speclm.protocol', 'speclm.trees', 'speclm.token_trees')),
     ('core', ('speclm', 'speclm.speculative', 'speclm.decoding', 'speclm.models',
               'speclm.kernels', 'speclm.tokenizer', 'speclm.partitioning', 'speclm.data',
               'speclm.outputs', 'speclm.progress')),
@@ -30,7 +30,8 @@ LAYERS = (
 # Layers below this one never import gin.
 FIRST_GIN_LAYER = 'presets'
 # The algorithms see models only through the protocol.
-ALGORITHMS = ('speclm.speculative', 'speclm.decoding', 'speclm.adaptive')
+ALGORITHMS = ('speclm.speculative', 'speclm.decoding', 'speclm.adaptive',
+              'speclm.tree_decoding')
 
 
 def _module_name(root: str, path: str) -> str:

@@ -91,6 +91,26 @@ def test_compare_job_reports_everything(tmp_path):
   assert 'random_llama.num_layers' in (tmp_path / 'operative_config.gin').read_text()
 
 
+def test_compare_job_with_a_token_tree(tmp_path):
+  metrics = run_tiny(tmp_path, 'run_job.tree = @token_tree', 'token_tree.branching = [2, 1]',
+                     'synthetic_dataset.num_examples = 8')
+  records = outputs.read_predictions(str(tmp_path / 'predictions.jsonl'))
+  assert all(r['identical'] for r in records) and metrics['identical_output_rate'] == 1.0
+  assert metrics['tree'] == 'tree of 4 nodes, depth 2, candidates top_k'
+  assert metrics['gamma'] == metrics['tree'] and metrics['tree_nodes'] == 4
+  assert len(metrics['rank_acceptance']) == 2 and metrics['rank_offered'][0] > 0
+  assert metrics['predicted_tokens_per_call_tree'] >= 1.0
+  assert metrics['c'] > 0 and metrics['predicted_speedup_tree'] > 0  # r for the tree's rows
+  fingerprint = json.loads((tmp_path / 'job.json').read_text())
+  assert 'settings.tree' in fingerprint and 'gin.token_tree.branching' in fingerprint
+  # A tree and adaptive γ exclude each other.
+  with pytest.raises(run.JobError, match='exclude each other'):
+    run_tiny(tmp_path / 'b', 'run_job.tree = @token_tree', 'token_tree.branching = [2]',
+             "GAMMA = 'adaptive'")
+  with pytest.raises(run.JobError, match='exactly one of paths'):
+    run_tiny(tmp_path / 'c', 'run_job.tree = @token_tree')
+
+
 def test_per_batch_prediction_follows_each_batchs_slowest_row():
   from speclm.analysis import theory  # pylint: disable=import-outside-toplevel
   def record(batch, num_tokens, beta_sum, beta_count):

@@ -185,6 +185,22 @@ def run_rounds(cases: Sequence[Case], rounds: int, *, shown: int = 8) -> list[fl
   return bandwidths
 
 
+def padded_width(length: int, multiple: int = 128) -> int:
+  """Prompts are padded to a multiple of 128 tokens (one compiled shape per multiple)."""
+  return multiple * -(-length // multiple)
+
+
+def chat_prompt_batch(tok, prompts: Sequence[str], width: int | None = None):
+  """Chat-encoded prompts (`speclm.tokenizer`'s `encode_chat`) right-padded to `width`
+  (default: `padded_width` of the longest): (tokens `[B, width]`, lengths `[B]`)."""
+  rows = [tok.encode_chat(p) for p in prompts]
+  width = width or padded_width(max(len(r) for r in rows))
+  tokens = np.full((len(rows), width), tok.pad_id or 0, np.int32)
+  for b, row in enumerate(rows):
+    tokens[b, :len(row)] = row
+  return tokens, np.array([len(r) for r in rows], np.int32)
+
+
 def versions(names: Sequence[str] = ('jax', 'jaxlib', 'flax', 'numpy', 'torch',
                                      'transformers')) -> str:
   """'name version, …' of the installed packages among `names`."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import numpy as np
+
 from speclm import progress as progress_lib
 from speclm import sampling as sampling_lib
 from speclm.analysis import theory
@@ -85,11 +87,15 @@ def _reference_scores(hypotheses: list[str], references: list[str],
 
 def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | str,
                     sampling: sampling_lib.SamplingConfig, cost: dict[str, Any] | None = None,
-                    reference_metrics: Sequence[str] = ('bleu', 'rouge')) -> dict[str, Any]:
+                    reference_metrics: Sequence[str] = ('bleu', 'rouge'),
+                    tree=None) -> dict[str, Any]:
   """The metrics.json report from prediction records (all of the job's examples).
 
   `gamma` is the job's γ, or 'adaptive' (`speclm.adaptive`): then the fixed-γ predictions of
-  Theorem 3.8 do not apply and are left out, and `gamma_histogram` shows the γ chosen.
+  Theorem 3.8 do not apply and are left out, and `gamma_histogram` shows the γ chosen. With a
+  token `tree` (`speclm.token_trees`; `gamma` is then its description) the report adds the
+  measured per-rank acceptance rates and, for a static tree, the tree theory's predictions
+  (`theory.tree_expected_tokens`, `theory.tree_walltime_improvement` with c and r).
   """
   methods = METHODS[mode]
   decoded = [r for r in records if 'skipped' not in r]
@@ -143,7 +149,9 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | st
     metrics['expected_tokens_per_iteration'] = (
         None if alpha is None or not fixed
         else float(theory.expected_tokens_per_iteration(alpha, gamma)))
-    if cost is not None and not fixed:
+    if tree is not None:
+      metrics.update(_tree_metrics(decoded, tree, cost))
+    elif cost is not None and not fixed:
       metrics['c'] = cost['c']
       metrics['r_by_gamma'] = cost['r_by_gamma']
       metrics['cost_measurement'] = cost
@@ -176,17 +184,43 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | st
   return metrics
 
 
-def _gamma_histogram(decoded: list[dict[str, Any]], method: str) -> list[int] | None:
-  """Rounds by tokens drafted, summed over the batches (rows of a batch share its rounds)."""
+def _tree_metrics(decoded: list[dict[str, Any]], tree, cost) -> dict[str, Any]:
+  """Per-rank acceptance and the tree theory's predictions, from the batches' rank counts."""
+  offered = _batch_sum(decoded, 'speculative', 'rank_offered') or []
+  accepted = _batch_sum(decoded, 'speculative', 'rank_accepted') or []
+  rates = theory.rank_acceptance_rates(accepted, offered) if offered else None
+  out: dict[str, Any] = {
+      'tree': tree.describe(), 'tree_nodes': tree.num_nodes,
+      'rank_acceptance': None if rates is None else [float(a) for a in rates],
+      'rank_offered': offered, 'rank_accepted': accepted,
+  }
+  static = hasattr(tree, 'parents')
+  if static and rates is not None and np.sum(rates) <= 1:
+    out['predicted_tokens_per_call_tree'] = theory.tree_expected_tokens(tree, rates)
+  if cost is not None:
+    out.update(c=cost['c'], r=cost['r'], cost_measurement=cost)
+    if 'predicted_tokens_per_call_tree' in out:
+      out['predicted_speedup_tree'] = theory.tree_walltime_improvement(tree, rates, cost['c'],
+                                                                        cost['r'])
+  return out
+
+
+def _batch_sum(decoded: list[dict[str, Any]], method: str, key: str) -> list[int] | None:
+  """A per-batch count list summed over the batches (rows of a batch share its rounds)."""
   per_batch = {}
   for record in decoded:
-    histogram = record[method].get('gamma_histogram')
-    if histogram is not None:
-      per_batch[record.get('batch', record['index'])] = histogram
+    counts = record[method].get(key)
+    if counts is not None:
+      per_batch[record.get('batch', record['index'])] = counts
   if not per_batch:
     return None
   width = max(len(h) for h in per_batch.values())
   return [sum(h[g] for h in per_batch.values() if g < len(h)) for g in range(width)]
+
+
+def _gamma_histogram(decoded: list[dict[str, Any]], method: str) -> list[int] | None:
+  """Rounds by tokens drafted, summed over the batches (rows of a batch share its rounds)."""
+  return _batch_sum(decoded, method, 'gamma_histogram')
 
 
 def _count(values) -> dict[str, int]:
@@ -225,10 +259,18 @@ def summary(metrics: dict[str, Any]) -> str:
               if 'r_by_gamma' not in metrics else
               ' '.join(f'{r:.2f}' for r in metrics['r_by_gamma']) + '  (r(0) … r(γ_max))'),
              ('rounds by γ', _fmt(metrics.get('gamma_histogram'))),
-             ('Theorem 3.8 speedup', _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f')),
-             ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f')),
-             ('  row by row, per batch', _fmt(metrics.get('predicted_speedup_per_batch'),
-                                              '.2f'))]
+             *([('token tree', metrics['tree']),
+                ('acceptance by rank', ' '.join(f'{a:.2f}' for a in metrics['rank_acceptance']
+                                                or [])),
+                ('tree theory: tokens/call', _fmt(metrics.get('predicted_tokens_per_call_tree'))),
+                ('tree theory: speedup', _fmt(metrics.get('predicted_speedup_tree'), '.2f'))]
+               if 'tree' in metrics else []),
+             *([] if 'tree' in metrics else [
+                 ('Theorem 3.8 speedup',
+                  _fmt(metrics.get('predicted_speedup_theorem_3_8'), '.2f')),
+                 ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f')),
+                 ('  row by row, per batch', _fmt(metrics.get('predicted_speedup_per_batch'),
+                                                  '.2f'))])]
   if 'speedup' in metrics:
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
              ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]

@@ -41,6 +41,7 @@ from speclm import decoding
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
+from speclm import token_trees
 from speclm.analysis import benchmarking
 
 # ----------------------------------------------------------------------------------------------
@@ -451,17 +452,24 @@ class CostEstimate:
     return {**dataclasses.asdict(self), 'c': self.c, 'r': self.r}
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _repeated_extend(definition, params, tokens, cache, num_steps):
-  """Runs `extend` num_steps times from the same cache length (the decode loops' inner call).
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _repeated_extend(definition, params, tokens, cache, num_steps, tree_parents=None):
+  """Runs `extend` num_steps times from the same cache length (the decode loops' inner call),
+  or `extend_tree` over the token tree of `tree_parents` (a static tuple).
 
   `num_steps` is traced, so calibrating it does not recompile.
   """
   start_lengths = definition.cache_lengths(cache)
+  layout = None
+  if tree_parents is not None:
+    layout = token_trees.layout(np.tile(np.asarray(tree_parents), (tokens.shape[0], 1)))
 
   def body(_, carry):
     cache, tokens, checksum = carry
-    logits, cache = definition.extend(params, tokens, cache)
+    if layout is None:
+      logits, cache = definition.extend(params, tokens, cache)
+    else:
+      logits, cache = definition.extend_tree(params, tokens, layout, cache)
     cache = definition.rollback(cache, start_lengths)  # what a rejected round does
     tokens = (tokens + 1) % definition.vocab_size
     return cache, tokens, checksum + jnp.sum(logits)  # the sum keeps every logit live
@@ -480,7 +488,7 @@ class _Runner:
 
 def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
                    context_length: int, num_steps: int, min_sample_seconds: float,
-                   seed: int) -> _Runner:
+                   seed: int, tree_parents: tuple[int, ...] | None = None) -> _Runner:
   """Compiles and warms up `extend` on `num_new` tokens, then raises num_steps until one run
   lasts at least `min_sample_seconds` (short samples are mostly scheduler noise)."""
   if min(num_new, batch_size, context_length, num_steps) < 1:
@@ -493,7 +501,7 @@ def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
                                           jnp.asarray(lengths), cache)
   tokens = jnp.asarray(np.resize(prompts[:, ::-1], (batch_size, num_new)))
   run = lambda steps: _repeated_extend(definition, model.params, tokens, cache,
-                                       jnp.int32(steps))
+                                       jnp.int32(steps), tree_parents)
   run(num_steps).block_until_ready()  # compile and warm up
   for _ in range(8):
     start = time.perf_counter()
@@ -513,8 +521,10 @@ def _median_per_step(seconds: list[float], num_steps: int = 1) -> float:
 
 def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
                 context_length: int = 64, num_steps: int = 20, repeats: int = 5,
-                min_sample_seconds: float = 0.05, seed: int = 0) -> float:
-  """Median seconds of one `extend` call on `num_new` tokens after `context_length` positions.
+                min_sample_seconds: float = 0.05, seed: int = 0, tree=None) -> float:
+  """Median seconds of one `extend` call on `num_new` tokens after `context_length` positions
+  (with a `token_trees.TreeShape` `tree`: one `extend_tree` call over its nodes, `num_new`
+  then being their count, the root included).
 
   The cache is prefilled with random tokens; the call is compiled and warmed up, then timed
   `repeats` times, each sample running it at least `num_steps` times (more if needed to last
@@ -522,11 +532,37 @@ def time_extend(model: protocol.Model, *, num_new: int, batch_size: int = 1,
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}.')
+  if tree is not None and num_new != len(tree.parents):
+    raise ValueError(f'num_new must be the tree\'s {len(tree.parents)} nodes, got {num_new}.')
   runner = _extend_runner(model, num_new=num_new, batch_size=batch_size,
                           context_length=context_length, num_steps=num_steps,
-                          min_sample_seconds=min_sample_seconds, seed=seed)
+                          min_sample_seconds=min_sample_seconds, seed=seed,
+                          tree_parents=None if tree is None else tree.parents)
   (seconds,) = benchmarking.interleaved_rounds([lambda _: runner.run()], repeats)
   return _median_per_step(seconds, runner.num_steps)
+
+
+def time_tree_verifications(target: protocol.Model, trees, *, batch_size: int = 1,
+                            context_length: int = 64, num_steps: int = 20, repeats: int = 5,
+                            min_sample_seconds: float = 0.05, seed: int = 0) -> list[float]:
+  """r of each `token_trees.TreeShape` in `trees`: one target `extend_tree` call over its
+  nodes / one 1-token `extend` call.
+
+  The 1-token call and every tree's call are timed in turn within each repeat
+  (`benchmarking.interleaved_rounds`), and each r is the median of its per-repeat ratios, so
+  a slow spell of a shared machine shifts numerator and denominator alike.
+  """
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}.')
+  common = dict(batch_size=batch_size, context_length=context_length, num_steps=num_steps,
+                min_sample_seconds=min_sample_seconds, seed=seed)
+  runners = [_extend_runner(target, num_new=1, **common)] + [
+      _extend_runner(target, num_new=len(tree.parents), tree_parents=tree.parents, **common)
+      for tree in trees]
+  seconds = benchmarking.interleaved_rounds([lambda _, r=r: r.run() for r in runners], repeats)
+  per_call = [[s / r.num_steps for s in samples] for samples, r in zip(seconds, runners)]
+  return [float(np.median([t / o for t, o in zip(samples, per_call[0])]))
+          for samples in per_call[1:]]
 
 
 def measure_costs(target: protocol.Model, draft: protocol.Model, *, gamma: int,

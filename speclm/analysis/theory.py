@@ -116,6 +116,81 @@ def walltime_improvement(alpha, gamma, c, r=1.0):
   return _as_output(tokens / (gamma * c + r))
 
 
+def _tree_parents(parents) -> list[int]:
+  """Validated parent indices of a token tree (node 0 the root, parents[k] < k)."""
+  parents = [int(p) for p in getattr(parents, 'parents', parents)]
+  if len(parents) < 1 or parents[0] != -1 or any(
+      not 0 <= p < k for k, p in enumerate(parents[1:], start=1)):
+    raise ValueError('parents must start with the root (-1) and list each node after its'
+                     f' parent, got {parents}.')
+  return parents
+
+
+def tree_expected_tokens(parents, rank_acceptance) -> float:
+  """Expected tokens per target call of a token-tree round (the tree's Eq. (1)).
+
+  `rank_acceptance[r]` is the probability that, at a reached node, its child of rank r (the
+  draft's (r+1)-th candidate) is the one kept — the same at every node, the tree analogue of
+  the paper's i.i.d. assumption (as in Sequoia's positional acceptance vector). A node is
+  reached with the product of its path's rates, and each reached drafted node adds a token,
+  the round's final draw one more:
+
+      E = 1 + Σ_{v ≠ root} Π_{edges (u→w) on the path to v} a_{rank(w)}
+
+  For a chain, a = (α,), this is Eq. (1): 1 + α + … + α^γ. `parents` is a sequence or a
+  `speclm.token_trees.TreeShape`. Measure the rates with `rank_acceptance_rates`.
+  """
+  parents = _tree_parents(parents)
+  rates = np.asarray(rank_acceptance, dtype=np.float64)
+  if rates.ndim != 1 or np.any(~np.isfinite(rates)) or np.any(rates < 0) or rates.sum() > 1 + 1e-9:
+    raise ValueError('rank_acceptance must be probabilities (one per rank) summing to <= 1,'
+                     f' got {rank_acceptance!r}.')
+  reach = [1.0]
+  children = [0] * len(parents)
+  total = 1.0
+  for node, parent in enumerate(parents[1:], start=1):
+    rank = children[parent]
+    children[parent] += 1
+    reach.append(reach[parent] * (rates[rank] if rank < len(rates) else 0.0))
+    total += reach[node]
+  return total
+
+
+def tree_walltime_improvement(parents, rank_acceptance, c, r=1.0) -> float:
+  """Expected speedup of token-tree rounds over the baseline: E / (D·c + r), with E from
+  `tree_expected_tokens`, D the tree's depth (the draft makes one call per depth) and r the
+  cost of verifying all of the tree's nodes in one target call (the chain's γc + r)."""
+  parents = _tree_parents(parents)
+  c = float(_check_nonnegative('c (draft call time / target call time)', c))
+  r = float(_check_r(r))
+  depths = [0]
+  for parent in parents[1:]:
+    depths.append(depths[parent] + 1)
+  return tree_expected_tokens(parents, rank_acceptance) / (max(depths) * c + r)
+
+
+def choose_tree(candidates, rank_acceptance, c, r) -> tuple[str, dict[str, float]]:
+  """The token tree (or chain) with the highest predicted speedup, and every prediction.
+
+  `candidates` maps names to trees (parent sequences or `TreeShape`s; a chain of γ is
+  `[-1, 0, …, γ−1]`), `r` maps the same names to each tree's measured verification cost (one
+  target call over its nodes / one 1-token call). Each is scored by
+  `tree_walltime_improvement` with the measured per-rank acceptance and c: the policy that
+  picks a tree only where its extra tokens per call pay for its wider verification.
+  """
+  predictions = {name: tree_walltime_improvement(tree, rank_acceptance, c, r[name])
+                 for name, tree in candidates.items()}
+  return max(predictions, key=predictions.get), predictions
+
+
+def rank_acceptance_rates(rank_accepted, rank_offered) -> np.ndarray:
+  """Measured `rank_acceptance` from a tree decode's `DecodeStats` (`rank_accepted`,
+  `rank_offered`): a_r = times rank r was kept / reached nodes that had a rank-r child."""
+  accepted = np.asarray(rank_accepted, dtype=np.float64)
+  offered = np.asarray(rank_offered, dtype=np.float64)
+  return np.where(offered > 0, accepted / np.maximum(offered, 1), 0.0)
+
+
 def _check_num_tokens(num_tokens, minimum: int = 1) -> int:
   if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
       or num_tokens < minimum:

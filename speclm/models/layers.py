@@ -31,3 +31,32 @@ class RMSNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def tree_visibility(lengths: jax.Array, capacity: int, ancestors: jax.Array) -> jax.Array:
+  """`[B, K, L]` which cache slots each of K new tree nodes attends to.
+
+  The K nodes are written to slots `lengths[b] + k` (`speclm.protocol` `extend_tree`). Node k
+  sees the row's committed slots (< lengths[b]) and the slots of its ancestors and itself
+  (`ancestors` `[B, K, K]`, a `speclm.token_trees.TreeLayout` field); nothing else.
+  """
+  batch, num_nodes = ancestors.shape[:2]
+  offset = jnp.arange(capacity)[None, None, :] - lengths[:, None, None]  # [B, 1, L]
+  node = jnp.broadcast_to(jnp.clip(offset, 0, num_nodes - 1), (batch, num_nodes, capacity))
+  is_ancestor = jnp.take_along_axis(ancestors, node, axis=2)
+  return (offset < 0) | ((offset < num_nodes) & is_ancestor)
+
+
+def keep_path(entries: jax.Array, start: jax.Array, path: jax.Array, *, batch_axis: int,
+              position_axis: int) -> jax.Array:
+  """Moves each row's entries from slots `start + path[b, i]` to `start + i` (i < M).
+
+  `entries` has a batch axis and a cache-position axis (`position_axis` counted in a row,
+  after the batch axis is removed); `start` `[B]`, `path` `[B, M]`. The protocol's
+  `keep_tree_path` for key/value caches and token histories.
+  """
+  def row(array, first, nodes):
+    taken = jnp.take(array, first + nodes, axis=position_axis, mode='clip')
+    return jax.lax.dynamic_update_slice_in_dim(array, taken, first, axis=position_axis)
+  return jax.vmap(row, in_axes=(batch_axis, 0, 0), out_axes=batch_axis)(
+      entries, start.astype(jnp.int32), path.astype(jnp.int32))

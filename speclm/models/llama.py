@@ -179,8 +179,9 @@ class Attention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths):
-    """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x."""
+  def __call__(self, x, positions, keys, values, lengths, visible=None):
+    """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x;
+    `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -198,9 +199,10 @@ class Attention(nn.Module):
     keys = write(keys, jnp.swapaxes(k, 1, 2), lengths)  # new entries as [B, Nkv, K, H]
     values = write(values, jnp.swapaxes(v, 1, 2), lengths)
 
-    # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
-    cache_positions = jnp.arange(keys.shape[2])
-    visible = cache_positions[None, None, :] <= positions[:, :, None]  # [B, K, L]
+    if visible is None:
+      # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
+      cache_positions = jnp.arange(keys.shape[2])
+      visible = cache_positions[None, None, :] <= positions[:, :, None]  # [B, K, L]
     groups = n // nkv
     q = q.reshape(q.shape[0], q.shape[1], nkv, groups, h)
     scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
@@ -231,12 +233,12 @@ class DecoderLayer(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths):
+  def __call__(self, x, positions, keys, values, lengths, visible=None):
     c = self.config
     pd = jnp.dtype(c.param_dtype)
     normed = layers.RMSNorm(c.norm_eps, pd, name='pre_attention_norm')(x)
     attn_out, keys, values = Attention(c, name='attention')(normed, positions, keys, values,
-                                                            lengths)
+                                                            lengths, visible)
     x = x + attn_out
     x = x + MLP(c, name='mlp')(layers.RMSNorm(c.norm_eps, pd, name='pre_mlp_norm')(x))
     return x, keys, values
@@ -258,14 +260,22 @@ class LlamaModule(nn.Module):
       self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
                             jnp.float32)
 
-  def __call__(self, tokens, cache: KVCache):
-    """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache)."""
+  def __call__(self, tokens, cache: KVCache, tree=None):
+    """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache).
+
+    With a `speclm.token_trees.TreeLayout` `tree` the K tokens are a token tree: node k at
+    position lengths + depth, attending to the committed prefix and its ancestors."""
     dt = jnp.dtype(self.config.dtype)
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    if tree is None:
+      positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+      visible = None
+    else:
+      positions = cache.lengths[:, None] + tree.depths
+      visible = layers.tree_visibility(cache.lengths, cache.capacity, tree.ancestors)
     x = self.embedder(tokens).astype(dt)
     new_keys, new_values = [], []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths)
+      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible)
       new_keys.append(k)
       new_values.append(v)
     x = self.final_norm(x)
@@ -341,6 +351,14 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     hidden, cache = self.module.apply({'params': params}, tokens, cache)
     logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
     return logits, hidden, cache
+
+  def extend_tree(self, params, tokens, tree, cache):
+    hidden, cache = self.module.apply({'params': params}, tokens, cache, tree)
+    return self.module.apply({'params': params}, hidden, method=LlamaModule.logits), cache
+
+  def keep_tree_path(self, cache, start, path):
+    keep = lambda x: layers.keep_path(x, start, path, batch_axis=1, position_axis=2)
+    return cache.replace(keys=keep(cache.keys), values=keep(cache.values))
 
   def prefix_length(self, input_lengths):
     return input_lengths

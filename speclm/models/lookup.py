@@ -95,6 +95,10 @@ class PromptLookup(ngram.HistoryModel):
                     ) -> tuple[jax.Array, jax.Array]:
     """(float32 logits `[B, K, V]` peaked on each proposal, found `[B, K]`)."""
     proposal, found = self.propose(history, positions)
+    return self._peaked(proposal), found
+
+  def _peaked(self, proposal: jax.Array) -> jax.Array:
+    """float32 logits `[..., V]` peaked on each proposal `[...]` (see `confidence`)."""
     v = self.vocab_size
     one_hot = jax.nn.one_hot(proposal, v, dtype=jnp.bool_)
     if self.confidence >= 1.0:
@@ -102,7 +106,7 @@ class PromptLookup(ngram.HistoryModel):
     else:
       rest = (1.0 - self.confidence) / v
       peaked = jnp.where(one_hot, math.log(self.confidence + rest), math.log(rest))
-    return peaked.astype(jnp.float32), found
+    return peaked.astype(jnp.float32)
 
   def _logits(self, history: jax.Array, positions: jax.Array) -> jax.Array:
     peaked, found = self.peaked_logits(history, positions)
@@ -118,9 +122,45 @@ class PromptLookup(ngram.HistoryModel):
     history, positions = _history_after_extend(cache, tokens)
     return self._logits(history.tokens, positions), history
 
+  def extend_tree(self, params, tokens, tree, cache):
+    del params
+    proposal, found = _propose_per_node(self, cache, tokens, tree)
+    return (jnp.where(found[..., None], self._peaked(proposal), 0.0),
+            ngram.append_tokens(cache, tokens))
+
   def validate_params(self, params) -> None:
     if params:
       raise ValueError('The prompt-lookup draft has no parameters; pass {}.')
+
+
+def path_histories(history: ngram.TokenHistory, tokens, tree):
+  """Each node's own history, for a token tree appended to `history` (before appending).
+
+  Node k's context is the committed history followed by the tokens on its path (root first),
+  which is what a chain would hold at that node; the lookup then proposes exactly what it
+  would after the same tokens in a chain. Returns (histories `[B, K, L]`, each node's
+  position `[B, K]`).
+  """
+  capacity = history.capacity
+  positions = (history.lengths[:, None] + tree.depths).astype(jnp.int32)  # [B, K]
+  # Node j's token lands at its position in the history of every node it is an ancestor of
+  # (one node per position on a path): Σ_j ancestors[k, j] · one_hot(position_j) · (token_j+1).
+  at_position = jax.nn.one_hot(positions, capacity, dtype=jnp.float32)  # [B, K(j), L]
+  placed = jnp.einsum('bkj,bjl->bkl', tree.ancestors.astype(jnp.float32),
+                      at_position * (tokens + 1).astype(jnp.float32)[:, :, None],
+                      precision=jax.lax.Precision.HIGHEST)
+  placed = placed.astype(jnp.int32)  # token ids are exact in float32 (< 2^24)
+  histories = jnp.where(placed > 0, placed - 1, history.tokens[:, None, :])
+  return histories, positions
+
+
+def _propose_per_node(lookup: PromptLookup, history: ngram.TokenHistory, tokens, tree):
+  """(proposal, found) `[B, K]` of `lookup` at every node of a token tree (`path_histories`)."""
+  histories, positions = path_histories(history, tokens, tree)
+  batch, num_nodes, capacity = histories.shape
+  proposal, found = lookup.propose(histories.reshape(batch * num_nodes, capacity),
+                                   positions.reshape(batch * num_nodes, 1))
+  return proposal.reshape(batch, num_nodes), found.reshape(batch, num_nodes)
 
 
 def prompt_lookup(vocab_size: int, *, max_ngram: int = 3, min_ngram: int = 1,
@@ -187,6 +227,27 @@ class LookupFirst(protocol.LanguageModel):
     logits, fallback_cache = self.fallback.extend(params, tokens, cache.fallback)
     history, positions = _history_after_extend(cache.history, tokens)
     return self._combine(logits, history, positions), LookupFirstCache(fallback_cache, history)
+
+  def extend_tree(self, params, tokens, tree, cache):
+    """`extend` over a token tree. Where the lookup matches, the node's q is (nearly) its
+    one-hot proposal, and the fallback's logits, far below it, keep their order: a tree's
+    first candidate is the lookup's, the next ones the fallback draft's best."""
+    logits, fallback_cache = self.fallback.extend_tree(params, tokens, tree, cache.fallback)
+    proposal, found = _propose_per_node(self.lookup, cache.history, tokens, tree)
+    logits = logits.astype(jnp.float32)
+    if self.lookup.confidence >= 1.0:
+      # e^-80 of the fallback's probabilities: q ≈ one-hot, the order kept for later ranks.
+      below = jax.nn.log_softmax(logits, axis=-1) - 80.0
+      is_proposal = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
+      peaked = jnp.where(is_proposal, 0.0, below)
+    else:
+      peaked = self.lookup._peaked(proposal)  # pylint: disable=protected-access
+    return (jnp.where(found[..., None], peaked, logits),
+            LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
+
+  def keep_tree_path(self, cache, start, path):
+    return LookupFirstCache(self.fallback.keep_tree_path(cache.fallback, start, path),
+                            ngram.history_keep_path(cache.history, start, path))
 
   def prefix_length(self, input_lengths):
     return self.fallback.prefix_length(input_lengths)

@@ -39,6 +39,7 @@ import numpy as np
 from flax import struct
 
 from speclm import protocol
+from speclm.models import layers
 
 
 @struct.dataclass
@@ -72,6 +73,12 @@ def append_tokens(history: TokenHistory, new_tokens) -> TokenHistory:
   return TokenHistory(tokens=tokens, lengths=history.lengths + new_tokens.shape[1])
 
 
+def history_keep_path(history: TokenHistory, start, path) -> TokenHistory:
+  """`protocol.LanguageModel.keep_tree_path` for a token history."""
+  return history.replace(tokens=layers.keep_path(history.tokens, start, path, batch_axis=0,
+                                                 position_axis=0))
+
+
 class HistoryModel(protocol.LanguageModel):
   """Shared protocol plumbing of drafts whose cache is the token history."""
 
@@ -84,9 +91,21 @@ class HistoryModel(protocol.LanguageModel):
   def last_prefix_token(self, inputs, input_lengths):
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
 
+  def keep_tree_path(self, cache, start, path):
+    return history_keep_path(cache, start, path)
+
+
+class NodeLocalModel(HistoryModel):
+  """A history model whose logits at a position depend on that position's token alone
+  (unigram, bigram): a token tree's logits are then `extend`'s, node by node."""
+
+  def extend_tree(self, params, tokens, tree, cache):
+    del tree
+    return self.extend(params, tokens, cache)
+
 
 @dataclasses.dataclass(frozen=True)
-class Unigram(HistoryModel):
+class Unigram(NodeLocalModel):
   """q(x) = P(x) at every position. Params: {'log_probs': [V]}."""
 
   vocab_size: int
@@ -104,7 +123,7 @@ class Unigram(HistoryModel):
 
 
 @dataclasses.dataclass(frozen=True)
-class Bigram(HistoryModel):
+class Bigram(NodeLocalModel):
   """q(x | previous token), with the top successors of each token and a unigram backoff."""
 
   vocab_size: int

@@ -60,6 +60,11 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
     logits, cache = self.inner.extend(params['inner'], self._to_inner(params, tokens), cache)
     return self._to_full(params, logits), cache
 
+  def extend_tree(self, params, tokens, tree, cache):
+    logits, cache = self.inner.extend_tree(params['inner'], self._to_inner(params, tokens), tree,
+                                           cache)
+    return self._to_full(params, logits), cache
+
   def last_prefix_token(self, inputs, input_lengths):
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
 

@@ -385,14 +385,28 @@ class Decoder(nn.Module):
     kv = [layer.cross_key_value(encoded) for layer in self.layers]
     return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
 
-  def __call__(self, x, cache: T5Cache):
+  def __call__(self, x, cache: T5Cache, tree=None):
     """Embedded tokens `[B, K, D]` at positions `cache.lengths + k` -> (normalised hidden
-    `[B, K, D]`, cache with the new self-attention entries and lengths + K)."""
-    positions = cache.lengths[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, K]
+    `[B, K, D]`, cache with the new self-attention entries and lengths + K).
+
+    With a `speclm.token_trees.TreeLayout` `tree` the K tokens are a token tree: node k at
+    position lengths + depth, attending to the committed prefix and its ancestors."""
     cache_positions = jnp.arange(cache.capacity)
-    # Query k of row b sits at positions[b, k] and sees cache positions <= its own.
-    self_visible = (cache_positions[None, None, :] <= positions[:, :, None])[:, None]
-    self_bias = self.relpos_bias(cache_positions[None, None, :] - positions[:, :, None])
+    if tree is None:
+      positions = cache.lengths[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, K]
+      # Query k of row b sits at positions[b, k] and sees cache positions <= its own.
+      self_visible = (cache_positions[None, None, :] <= positions[:, :, None])[:, None]
+      key_positions = cache_positions[None, :]
+    else:
+      positions = cache.lengths[:, None] + tree.depths
+      self_visible = layers.tree_visibility(cache.lengths, cache.capacity, tree.ancestors)[:, None]
+      # Slot lengths + k holds node k, at position lengths + depths[k]; earlier slots are
+      # committed positions (later ones are never visible).
+      offset = cache_positions[None, :] - cache.lengths[:, None]  # [B, L]
+      node_depth = jnp.take_along_axis(tree.depths, jnp.clip(offset, 0, x.shape[1] - 1), axis=1)
+      key_positions = jnp.where((offset >= 0) & (offset < x.shape[1]),
+                                cache.lengths[:, None] + node_depth, cache_positions[None, :])
+    self_bias = self.relpos_bias(key_positions[:, None, :] - positions[:, :, None])
     cross_visible = (jnp.arange(cache.cross_keys.shape[2])[None, :]
                      < cache.encoder_lengths[:, None])[:, None, None, :]
     new_keys, new_values = [], []
@@ -430,9 +444,10 @@ class T5Module(nn.Module):
   def cross_key_value(self, encoded):
     return self.decoder.cross_key_value(encoded)
 
-  def decode(self, tokens, cache: T5Cache):
-    """Decoder tokens `[B, K]` -> (float32 logits `[B, K, V]`, cache)."""
-    hidden, cache = self.decoder(self._embed(tokens), cache)
+  def decode(self, tokens, cache: T5Cache, tree=None):
+    """Decoder tokens `[B, K]` (a token tree with a `tree` layout) -> (float32 logits
+    `[B, K, V]`, cache)."""
+    hidden, cache = self.decoder(self._embed(tokens), cache, tree)
     if self.config.logits_via_embedding:
       table = self.token_embedder.embedding
       logits = jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
@@ -514,6 +529,13 @@ class T5(protocol.LanguageModel):
 
   def extend(self, params, tokens, cache):
     return self.module.apply({'params': params}, tokens, cache, method=T5Module.decode)
+
+  def extend_tree(self, params, tokens, tree, cache):
+    return self.module.apply({'params': params}, tokens, cache, tree, method=T5Module.decode)
+
+  def keep_tree_path(self, cache, start, path):
+    keep = lambda x: layers.keep_path(x, start, path, batch_axis=1, position_axis=1)
+    return cache.replace(keys=keep(cache.keys), values=keep(cache.values))
 
   def prefix_length(self, input_lengths):
     if isinstance(input_lengths, (int, np.integer)):

@@ -26,6 +26,8 @@ from speclm import partitioning
 from speclm import progress as progress_lib
 from speclm import protocol
 from speclm import sampling as sampling_lib
+from speclm import token_trees
+from speclm import tree_decoding
 from speclm.analysis import job_metrics
 from speclm.analysis import measure
 from speclm.data import inputs as inputs_lib
@@ -42,10 +44,15 @@ MODES = tuple(job_metrics.METHODS)
 
 
 def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
-            max_new_tokens, seed, eos_id, pad_id, partitioner=None) -> decoding.DecodeResult:
+            max_new_tokens, seed, eos_id, pad_id, partitioner=None,
+            tree=None) -> decoding.DecodeResult:
   common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
                 pad_id=pad_id, partitioner=partitioner)
-  if method == 'speculative':
+  if method == 'speculative' and tree is not None:
+    del common['partitioner']  # refused before decoding (run_job)
+    result = tree_decoding.tree_speculative_decode(target, draft, batch.tokens, batch.lengths,
+                                                   tree=tree, **common)
+  elif method == 'speculative':
     result = decoding.speculative_decode(target, draft, batch.tokens, batch.lengths,
                                          gamma=gamma, **common)
   else:
@@ -104,6 +111,9 @@ def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: li
                   beta_count=int(stats.beta_count_per_row[row]),
                   # Rounds of the row's batch by tokens drafted (the batch shares one γ).
                   gamma_histogram=np.asarray(stats.gamma_histogram).tolist())
+    if stats.rank_offered is not None:  # a token tree: the batch's per-rank counts
+      record.update(rank_offered=np.asarray(stats.rank_offered).tolist(),
+                    rank_accepted=np.asarray(stats.rank_accepted).tolist())
   return record
 
 
@@ -122,6 +132,7 @@ def run_job(*,
             gamma: int | str = 4,
             max_gamma: int = 4,
             draft_stopping: bool = False,
+            tree: Any = None,
             sampling: Any = sampling_lib.GREEDY,
             max_new_tokens: int = 64,
             batch_size: int = 8,
@@ -154,6 +165,9 @@ def run_job(*,
       and batch size, then cached).
     max_gamma, draft_stopping: with gamma = 'adaptive', the largest γ, and whether the draft
       may stop early (or go on up to max_gamma) on its own confidence.
+    tree: a token tree (`@token_tree()` static, `@dynamic_tree()` EAGLE-2; see
+      `speclm.token_trees`): each round verifies the tree in one target call instead of a
+      chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only.
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
     max_new_tokens: generation limit per example.
@@ -204,6 +218,17 @@ def run_job(*,
   except ValueError as e:
     raise JobError(f"run_job.{'max_gamma' if adaptive_gamma else 'gamma'}: {e} (gamma may"
                    f" also be '{ADAPTIVE}').") from None
+  if tree is not None:
+    tree = providers.provide(tree, 'The token tree setting')
+    try:
+      token_trees.check_tree(tree)
+    except ValueError as e:
+      raise JobError(f'run_job.tree: {e}') from None
+    if adaptive_gamma:
+      raise JobError("run_job.tree and gamma = 'adaptive' exclude each other: a tree round"
+                     ' has its own shape; set one of them.')
+    if partitioner is not None:
+      raise JobError('run_job.tree runs on one device; unset run_job.partitioner.')
   sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
@@ -216,7 +241,9 @@ def run_job(*,
   process_index, process_count = jax.process_index(), jax.process_count()
   job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
                                                                 _process_dir(process_index))
-  settings = {'mode': mode, 'gamma': gamma if 'speculative' in methods else None,
+  spec_gamma = gamma if tree is None else tree.describe()
+  settings = {'mode': mode, 'gamma': spec_gamma if 'speculative' in methods else None,
+              **({'tree': repr(tree)} if tree is not None and 'speculative' in methods else {}),
               **({'max_gamma': max_gamma, 'draft_stopping': bool(draft_stopping)}
                  if adaptive_gamma and 'speculative' in methods else {}),
               'temperature': sampling.temperature, 'top_k': sampling.top_k,
@@ -328,7 +355,7 @@ def run_job(*,
             batch, methods, target_model, draft_model, vocabulary, warmed,
             exclude_compile_time=exclude_compile_time, gamma=rule or gamma, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
-            partitioner=partitioner)
+            partitioner=partitioner, tree=tree)
         compile_s += batch_compile_s
         out.append(records)
         recorded_this_run += len(records)
@@ -349,10 +376,13 @@ def run_job(*,
               'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
               'batch_size': batch_size}
     elif measure_cost and draft_model is not None:
-      cost = _measure_cost(target_model, draft_model, gamma=gamma, batch_size=batch_size,
+      # A tree's verification costs about a chain's of as many rows (r for its nodes).
+      cost = _measure_cost(target_model, draft_model,
+                           gamma=gamma if tree is None else tree.num_nodes,
+                           batch_size=batch_size,
                            context_length=_cost_context(encoded, max_new_tokens))
-    metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=gamma,
-                                          sampling=sampling, cost=cost,
+    metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=spec_gamma,
+                                          sampling=sampling, cost=cost, tree=tree,
                                           reference_metrics=reference_metrics)
     metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
                       'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
@@ -372,7 +402,7 @@ def run_job(*,
     out.close()
   if process_count > 1:
     metrics = _merge_processes(output_dir, process_index, process_count, metrics, mode=mode,
-                               gamma=gamma, sampling=sampling,
+                               gamma=spec_gamma, sampling=sampling, tree=tree,
                                reference_metrics=reference_metrics)
   print(job_metrics.summary(metrics))
   if metrics.get('num_bad_logits'):

@@ -10,7 +10,8 @@ job loads things in a fixed order and turns a user's mistake into one clear line
                 smollm2_chat_vocabulary
   datasets      file_dataset (`speclm.data.inputs.read_examples`), synthetic_dataset,
                 seqio_dataset, builtin_prompts_dataset
-  settings      sampling_config, gamma_for_temperature, T5Config (configs/models/*.gin),
+  settings      sampling_config, gamma_for_temperature, token_tree, dynamic_tree,
+                T5Config (configs/models/*.gin),
                 partitioning.Partitioner and its axis rules, partitioning.initialize_distributed
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import gin
 import jax
@@ -27,6 +28,7 @@ import jax
 from speclm import partitioning
 from speclm import protocol
 from speclm import sampling as sampling_lib
+from speclm import token_trees
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks
 from speclm.data import vocab as vocab_lib
@@ -82,6 +84,28 @@ def sampling_config(temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0) -> sampling_lib.SamplingConfig:
   """`speclm.SamplingConfig` from gin (temperature 0 is greedy)."""
   return sampling_lib.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+@gin.configurable
+def token_tree(paths: Sequence[Sequence[int]] | None = None,
+               branching: Sequence[int] | None = None,
+               candidates: str = 'top_k') -> token_trees.TreeShape:
+  """A static token tree for `run_job.tree`: Medusa-style rank `paths` (`[[0], [1], [0, 0]]`)
+  or a `branching` factor per depth (`[2, 2, 1]`); candidates 'top_k' (the draft's first
+  choices) or 'sample' (drawn without replacement from its q̃)."""
+  if (paths is None) == (branching is None):
+    raise JobError('token_tree needs exactly one of paths (rank paths, e.g. [[0], [1], [0, 0]])'
+                   ' and branching (children per depth, e.g. [2, 2, 1]).')
+  if paths is not None:
+    return token_trees.TreeShape.from_paths(paths, candidates)
+  return token_trees.TreeShape.from_branching(branching, candidates)
+
+
+@gin.configurable
+def dynamic_tree(num_nodes: int = 16, depth: int = 5, top_k: int = 4,
+                 width: int = 4) -> token_trees.DynamicTree:
+  """EAGLE-2's dynamic token tree for `run_job.tree` (see `speclm.token_trees.DynamicTree`)."""
+  return token_trees.DynamicTree(num_nodes=num_nodes, depth=depth, top_k=top_k, width=width)
 
 
 @gin.configurable

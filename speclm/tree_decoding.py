@@ -1,0 +1,344 @@
+"""Speculative decoding over token trees: several candidates per position, one target call.
+
+`tree_speculative_decode` is `speculative_decode` with a token tree (`speclm.token_trees`)
+in place of the chain of γ drafts. The bookkeeping is the chain's (see `speclm.decoding`):
+the target cache holds C−1 positions and s_{C−1} is pending. One round:
+
+  1. draft (`_draft_static_tree`, `_draft_dynamic_tree`): the draft's cache is rolled back
+     to C−2 and, depth by depth, it reads the tree so far, rooted at [s_{C−2}, s_{C−1}],
+     with `extend_tree` (one call per depth, D calls). Each node's children are the draft's
+     top choices after it (or draws without replacement from its q̃); a dynamic tree
+     (EAGLE-2) expands the nodes of highest path probability and keeps the best N.
+  2. verify: one target `extend_tree` over [s_{C−1}, candidates…] gives p̃ at every node.
+  3. accept (`speculative.tree_round`): recursive rejection over siblings walks down the
+     tree; n candidates on one path are kept and one more token t is drawn.
+  4. append: `keep_tree_path` moves the kept path's keys/values together in both caches
+     (compaction), the target keeps C−1+n+1 positions, x_1 … x_n, t are appended and t
+     becomes pending. The next round sees ordinary caches.
+
+A chain (`TreeShape.chain(γ)`) takes the same steps and, with greedy sampling, writes the
+same tokens as `speculative_decode(gamma=γ)`.
+
+Statistics: `DecodeStats` with γ = the tree's depth (the accepted-depth histogram, β and α
+over the nodes the committed path reached, as for a chain), plus per-rank counts
+`rank_offered[r]` (reached nodes with more than r children) and `rank_accepted[r]` (how often
+the child of rank r was the one kept), from which `speclm.analysis.theory` predicts tokens
+per call for any tree.
+
+Shape letters: B batch, N tree nodes (the root included), D depth, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from speclm import decoding
+from speclm import protocol
+from speclm import sampling as sampling_lib
+from speclm import speculative
+from speclm import token_trees
+
+
+def tree_speculative_decode(
+    target: protocol.Model,
+    draft: protocol.Model,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    tree: token_trees.TreeShape | token_trees.DynamicTree,
+    sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+    max_new_tokens: int | Sequence[int] = 32,
+    seed: int = 0,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    cache_length: int | None = None,
+) -> decoding.DecodeResult:
+  """Speculative decoding over a token tree: samples exactly from `target`.
+
+  Same arguments as `speclm.speculative_decode`, with `tree` (a static
+  `token_trees.TreeShape` or an EAGLE-2 `token_trees.DynamicTree`) instead of γ. Both models
+  must implement `extend_tree` and `keep_tree_path` (Llama, T5, n-gram and lookup drafts).
+  With greedy sampling the output equals `autoregressive_decode(target, …)` token for token.
+  """
+  tree = token_trees.check_tree(tree)
+  prompts, lengths, limits = decoding._validate_common(  # pylint: disable=protected-access
+      target, prompt_tokens, prompt_lengths, sampling, max_new_tokens, seed, eos_id)
+  decoding.check_pair(target, draft)
+  for role, model in (('target', target), ('draft', draft)):
+    definition = model.definition
+    if isinstance(definition, protocol.FeatureConditionedDraft):
+      raise ValueError(f'The {role} ({type(definition).__name__}) reads the target\'s features;'
+                       ' token trees support drafts that read tokens only.')
+    if type(definition).extend_tree is protocol.LanguageModel.extend_tree:
+      raise ValueError(f'The {role} ({type(definition).__name__}) does not implement'
+                       ' extend_tree, so it cannot verify token trees; use speculative_decode'
+                       ' (a chain) or a model that does (Llama, T5, n-gram and lookup drafts).')
+    decoding._check_context(definition, role, lengths, limits)  # pylint: disable=protected-access
+  width = prompts.shape[1]
+  if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
+    raise ValueError('The draft and target continue different sequences (a decoder-only model'
+                     ' and an encoder-decoder); pair models of one kind.')
+  if _max_children(tree) > target.vocab_size:
+    raise ValueError(f'The tree gives a node {_max_children(tree)} children, more than the'
+                     f' vocabulary\'s {target.vocab_size} tokens.')
+  max_new = int(limits.max())
+  num_nodes = tree.num_nodes
+  capacity = lambda model: decoding._capacity(  # pylint: disable=protected-access
+      model.definition, width, max_new, num_nodes, cache_length)
+  result = _tree_jit(
+      target.definition, draft.definition, target.params, draft.params, prompts, lengths,
+      limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+      jnp.int32(pad_id), tree=tree, sampling=sampling,
+      buffer_length=max_new + tree.depth + 1, target_capacity=capacity(target),
+      draft_capacity=capacity(draft))
+  return decoding._trim(result, max_new)  # pylint: disable=protected-access
+
+
+def _max_children(tree) -> int:
+  return tree.max_children if isinstance(tree, token_trees.TreeShape) else tree.top_k
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1: the draft builds the tree.
+
+
+def _draft_parents(parents: jax.Array) -> jax.Array:
+  """The draft's tree `[B, N+1]`: s_{C−2} as its root, then the target's tree under it."""
+  batch = parents.shape[0]
+  return jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), parents + 1], axis=1)
+
+
+def _choose_children(key, logits, probs, count: int, rule: str):
+  """`[B, M, count]` candidate tokens after M nodes: the draft's top `count` (by logits), or
+  `count` draws without replacement from q̃ (Gumbel top-k)."""
+  if rule == 'sample':
+    gumbel = jax.random.gumbel(key, probs.shape)
+    scores = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)) + gumbel, -jnp.inf)
+    return jax.lax.top_k(scores, count)[1].astype(jnp.int32)
+  return jax.lax.top_k(logits, count)[1].astype(jnp.int32)
+
+
+def _draft_static_tree(draft_def, draft_params, cache, prev, pending, tree, sampling, rng):
+  """Builds a `TreeShape`'s candidates. Returns (tokens `[B, N]`, parents `[B, N]`, q̃ per node
+  `[B, N, V]` (zero for leaves), proposals `[B, N, V]`, draft cache, bad `[B]`)."""
+  batch = prev.shape[0]
+  parents = np.asarray(tree.parents, np.int32)
+  depths = np.asarray(tree.depths)
+  ranks = np.asarray(tree.ranks)
+  num = len(parents)
+  rule = 'top_k' if sampling.is_greedy else tree.candidates
+  tokens = jnp.zeros((batch, num), jnp.int32).at[:, 0].set(pending)
+  node_probs = jnp.zeros((batch, num, draft_def.vocab_size), jnp.float32)
+  bad = jnp.zeros((batch,), bool)
+  draft_parents = _draft_parents(jnp.broadcast_to(jnp.asarray(parents), (batch, num)))
+  base = draft_def.cache_lengths(cache)
+  keys = jax.random.split(rng, tree.depth)
+  for depth in range(tree.depth):
+    fed = int(np.sum(depths <= depth)) + 1  # s_{C−2} and the target nodes up to this depth
+    layout = token_trees.layout(draft_parents[:, :fed])
+    draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :fed - 1]], axis=1)
+    logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
+                                          draft_def.rollback(cache, base))
+    bad |= decoding._bad(logits)  # pylint: disable=protected-access
+    level = np.flatnonzero(depths == depth)  # target nodes at this depth
+    level_logits = logits[:, level + 1]
+    level_probs = sampling_lib.standardize(level_logits, sampling)
+    node_probs = node_probs.at[:, level].set(level_probs)
+    children = np.flatnonzero(depths == depth + 1)
+    width = max(int(ranks[c]) for c in children) + 1
+    chosen = _choose_children(keys[depth], level_logits, level_probs, width, rule)
+    parent_slot = np.searchsorted(level, parents[children])  # each child's parent in `level`
+    tokens = tokens.at[:, children].set(chosen[:, parent_slot, ranks[children]])
+  parents_b = jnp.broadcast_to(jnp.asarray(parents), (batch, num))
+  if rule == 'sample':
+    proposals = speculative.without_replacement_proposals(node_probs, tokens, parents_b)
+  else:
+    proposals = jax.nn.one_hot(tokens, draft_def.vocab_size, dtype=jnp.float32)
+  return tokens, parents_b, node_probs, proposals, cache, bad, None
+
+
+def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sampling):
+  """Builds an EAGLE-2 `DynamicTree` (see its docstring). Returns what `_draft_static_tree`
+  does, plus `[B, N]` each kept node's index in the draft's pool (for compaction)."""
+  batch = prev.shape[0]
+  k, w = tree.top_k, tree.width
+  pool = 1 + tree.pool_size
+  vocab = draft_def.vocab_size
+  tokens = jnp.zeros((batch, pool), jnp.int32).at[:, 0].set(pending)
+  parents = jnp.full((batch, pool), -1, jnp.int32)
+  scores = jnp.zeros((batch, pool), jnp.float32)  # log path probability under the draft
+  node_probs = jnp.zeros((batch, pool, vocab), jnp.float32)
+  bad = jnp.zeros((batch,), bool)
+  base = draft_def.cache_lengths(cache)
+  level = np.arange(1)  # pool nodes of the current depth
+  end = 1
+  for _ in range(tree.depth):
+    layout = token_trees.layout(_draft_parents(parents[:, :end]))
+    draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :end]], axis=1)
+    logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
+                                          draft_def.rollback(cache, base))
+    bad |= decoding._bad(logits)  # pylint: disable=protected-access
+    level_logits = logits[:, level + 1]  # [B, M, V]
+    node_probs = node_probs.at[:, level].set(sampling_lib.standardize(level_logits, sampling))
+    # Expand the `width` nodes of this depth with the highest path probability (all of them
+    # at the root), each with the draft's `top_k` choices.
+    expand = min(w, len(level))
+    best = jax.lax.top_k(scores[:, level], expand)[1]  # [B, expand] positions in `level`
+    chosen_logits = jnp.take_along_axis(level_logits, best[:, :, None], axis=1)
+    log_q = jax.nn.log_softmax(chosen_logits.astype(jnp.float32), axis=-1)
+    top_log_q, top_tokens = jax.lax.top_k(log_q, k)  # [B, expand, k]
+    parent_index = jnp.asarray(level)[best]  # [B, expand] pool indices
+    child_scores = (jnp.take_along_axis(scores, parent_index, axis=1)[:, :, None] + top_log_q)
+    new = np.arange(end, end + expand * k)
+    tokens = tokens.at[:, new].set(top_tokens.reshape(batch, -1).astype(jnp.int32))
+    parents = parents.at[:, new].set(jnp.repeat(parent_index, k, axis=1))
+    scores = scores.at[:, new].set(child_scores.reshape(batch, -1))
+    level, end = new, end + expand * k
+  # Keep the root and the N best drafted nodes (ties: the earlier node, so ancestors first),
+  # in pool order, which is topological.
+  ranked = jnp.argsort(-jnp.where(jnp.arange(pool) == 0, jnp.inf, scores), axis=1, stable=True)
+  kept = jnp.sort(ranked[:, :tree.num_nodes + 1], axis=1)  # [B, N]; kept[:, 0] = 0, the root
+  inverse = jax.vmap(lambda sel: jnp.zeros((pool,), jnp.int32).at[sel].set(
+      jnp.arange(sel.shape[0], dtype=jnp.int32)))(kept)
+  pool_parents = jnp.take_along_axis(parents, kept, axis=1)
+  new_parents = jnp.where(pool_parents >= 0,
+                          jnp.take_along_axis(inverse, jnp.maximum(pool_parents, 0), axis=1), -1)
+  tokens = jnp.take_along_axis(tokens, kept, axis=1)
+  node_probs = jnp.take_along_axis(node_probs, kept[:, :, None], axis=1)
+  proposals = jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)
+  return tokens, new_parents, node_probs, proposals, cache, bad, kept
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+
+
+def _count_tree_round(stats: decoding.DecodeStats, result: speculative.TreeRoundResult,
+                      parents, node_probs, target_probs, active, good, draft_calls: int,
+                      max_children: int) -> decoding.DecodeStats:
+  """Adds one tree round: the accepted depth, β along the reached nodes, per-rank counts."""
+  depth = result.path.shape[1]
+  n = result.num_accepted
+  # The reached nodes: the root and the accepted path, in order [B, D+1].
+  reached = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path], axis=1)
+  on_path = (jnp.arange(depth + 1)[None, :] <= n[:, None]) & good[:, None]
+  num_children = jnp.sum(jax.nn.one_hot(parents, parents.shape[1], dtype=jnp.int32), axis=1)
+  children_of_reached = jnp.take_along_axis(num_children, reached, axis=1)  # [B, D+1]
+  drafted_from = on_path & (children_of_reached > 0)
+  # β = Σ_x min(p̃, q̃) at each reached node that has children (Theorem 3.5): the chain's α.
+  beta = speculative.acceptance_overlap(
+      jnp.take_along_axis(target_probs, reached[:, :, None], axis=1),
+      jnp.take_along_axis(node_probs, reached[:, :, None], axis=1))
+  beta_row = jnp.sum(jnp.where(drafted_from, beta, 0.0), axis=1)
+  count_row = jnp.sum(drafted_from, axis=1).astype(jnp.int32)
+  # Ranks: at reached node i (< n), the kept child is reached[i+1].
+  ranks = token_trees.sibling_ranks(parents)
+  kept_rank = jnp.take_along_axis(ranks, reached[:, 1:], axis=1)  # [B, D]
+  kept_rank = jnp.where(jnp.arange(depth)[None, :] < n[:, None], kept_rank, -1)
+  rank_axis = jnp.arange(max_children)
+  offered = jnp.sum(drafted_from[:, :, None]
+                    & (children_of_reached[:, :, None] > rank_axis), axis=(0, 1))
+  accepted = jnp.sum((kept_rank[:, :, None] == rank_axis) & good[:, None, None], axis=(0, 1))
+  stats = decoding.add_round(stats, num_accepted=n, active=active, good=good,
+                             beta_row=beta_row, count_row=count_row, drafted=depth,
+                             draft_calls=draft_calls)
+  return stats.replace(rank_offered=stats.rank_offered + offered.astype(jnp.int32),
+                       rank_accepted=stats.rank_accepted + accepted.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, lengths, limits,
+               rng, eos_id, pad_id, *, tree, sampling, buffer_length, target_capacity,
+               draft_capacity) -> decoding.DecodeResult:
+  batch = prompts.shape[0]
+  depth = tree.depth
+  num_nodes = tree.num_nodes + 1  # with the root
+  max_children = _max_children(tree)
+  draft_cache = draft_def.init_cache(batch, draft_capacity)
+  target_cache = target_def.init_cache(batch, target_capacity)
+  _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
+  logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
+  state = decoding._start(  # pylint: disable=protected-access
+      target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, depth,
+      logits=logits, target_cache=target_cache, draft_cache=draft_cache)
+  stats = state.stats
+  state = state.replace(stats=stats.replace(
+      draft_calls=stats.draft_calls + 1,
+      rank_offered=jnp.zeros((max_children,), jnp.int32),
+      rank_accepted=jnp.zeros((max_children,), jnp.int32)))
+  stop_if_full = decoding._stop_if_full  # pylint: disable=protected-access
+
+  def round_(state: decoding._LoopState) -> decoding._LoopState:  # pylint: disable=protected-access
+    target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
+    # The target writes N slots after C−1; the draft N+1 after C−2.
+    reasons = stop_if_full(state.stop_reasons, target_lengths, num_nodes,
+                           target_def.cache_capacity(state.target_cache))
+    reasons = stop_if_full(reasons, target_lengths - 1, num_nodes + 1,
+                           draft_def.cache_capacity(state.draft_cache))
+    state = state.replace(stop_reasons=reasons)
+    active = state.active
+    rng, draft_key, uniform_key, next_key = jax.random.split(state.rng, 4)
+
+    # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
+    draft_cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
+    if isinstance(tree, token_trees.TreeShape):
+      built = _draft_static_tree(draft_def, draft_params, draft_cache, state.prev_token,
+                                 state.pending_token, tree, sampling, draft_key)
+    else:
+      built = _draft_dynamic_tree(draft_def, draft_params, draft_cache, state.prev_token,
+                                  state.pending_token, tree, sampling)
+    tokens, parents, node_probs, proposals, draft_cache, draft_bad, pool_index = built
+    # 2. One target call over the whole tree: p̃ at every node.
+    logits, target_cache = target_def.extend_tree(
+        target_params, tokens, token_trees.layout(parents), state.target_cache)
+    target_probs = sampling_lib.standardize(logits, sampling)
+    # 3. Walk down the tree by recursive rejection; n kept, one more token t drawn.
+    uniforms = jax.random.uniform(uniform_key, (batch, num_nodes))
+    result = speculative.tree_round(target_probs, tokens, parents, proposals, uniforms,
+                                    next_key, depth)
+    n = result.num_accepted
+    # 4. Compaction: the kept path's entries move next to the prefix in both caches.
+    root = jnp.zeros((batch, 1), jnp.int32)
+    target_cache = target_def.keep_tree_path(
+        target_cache, target_lengths, jnp.concatenate([root, result.path], axis=1))
+    target_cache = target_def.rollback(
+        target_cache, jnp.where(active, target_lengths + n + 1, target_lengths))
+    draft_path = (result.path if pool_index is None
+                  else jnp.take_along_axis(pool_index, result.path, axis=1))
+    draft_cache = draft_def.keep_tree_path(
+        draft_cache, target_lengths - 1,
+        jnp.concatenate([root, root + 1, draft_path + 1], axis=1))
+    path_tokens = jnp.take_along_axis(tokens, result.path, axis=1)  # [B, D]
+    offsets = jnp.arange(depth + 1)[None, :]
+    padded = jnp.concatenate([path_tokens, path_tokens[:, -1:]], axis=1)
+    new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
+    bad = active & (decoding._bad(logits) | draft_bad)  # pylint: disable=protected-access
+    good = active & ~bad
+    appended, num_generated, reasons = decoding._append(  # pylint: disable=protected-access
+        state.replace(stop_reasons=jnp.where(bad, decoding.StopReason.BAD_LOGITS,
+                                             state.stop_reasons)),
+        new_tokens, n + 1, limits, eos_id)
+    prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
+                                                axis=1)[:, 0], state.pending_token)
+    return state.replace(
+        tokens=appended, num_generated=num_generated,
+        prev_token=jnp.where(good, prev, state.prev_token),
+        pending_token=jnp.where(good, result.next_token, state.pending_token),
+        stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
+        stats=_count_tree_round(state.stats, result, parents, node_probs, target_probs, active,
+                                good, depth, max_children))
+
+  state = jax.lax.while_loop(lambda s: jnp.any(s.active), round_, state)
+  return decoding._finish(state, pad_id)  # pylint: disable=protected-access
+
+
+_tree_jit = jax.jit(
+    _tree_loop, static_argnums=(0, 1),
+    static_argnames=('tree', 'sampling', 'buffer_length', 'target_capacity', 'draft_capacity'))
