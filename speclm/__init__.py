@@ -10,14 +10,16 @@ from speclm.protocol import LanguageModel
 from speclm.protocol import Model
 from speclm.sampling import GREEDY
 from speclm.sampling import SamplingConfig
+from speclm.text import Generation
+from speclm.text import generate
 from speclm.token_trees import DynamicTree
 from speclm.token_trees import TreeShape
 from speclm.tree_decoding import tree_speculative_decode
 
 __all__ = [
-    'AdaptiveGamma', 'DecodeResult', 'DecodeStats', 'DynamicTree', 'GREEDY', 'LanguageModel',
-    'Model', 'SamplingConfig', 'StopReason', 'TreeShape', 'autoregressive_decode',
-    'speculative_decode', 'tree_speculative_decode',
+    'AdaptiveGamma', 'DecodeResult', 'DecodeStats', 'DynamicTree', 'GREEDY', 'Generation',
+    'LanguageModel', 'Model', 'SamplingConfig', 'StopReason', 'TreeShape',
+    'autoregressive_decode', 'generate', 'speculative_decode', 'tree_speculative_decode',
 ]
 
 __version__ = '0.1.0'

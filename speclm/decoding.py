@@ -197,7 +197,7 @@ def autoregressive_decode(
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     max_new_tokens: int | Sequence[int] = 32,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
     partitioner=None,
@@ -211,7 +211,8 @@ def autoregressive_decode(
     sampling: how logits become the distribution sampled from.
     max_new_tokens: the generation limit, one for all rows or one per row.
     seed: random seed (unused by greedy sampling).
-    eos_id: a token that ends a row (kept in the output), or None.
+    eos_id: a token that ends a row (kept in the output), a list of such tokens (e.g. a chat
+      model's end-of-turn and end-of-text ids), or None.
     pad_id: the value written past each row's length in the result.
     cache_length: cache positions per row; by default exactly enough for the prompt and every
       new token. A smaller value stops rows with `StopReason.CACHE_FULL`.
@@ -226,7 +227,7 @@ def autoregressive_decode(
           partitioner.jit_decode_loop(_autoregressive_loop, num_models=1))
   result = loop(
       model.definition, model.params, prompts, lengths, limits, jax.random.key(seed),
-      jnp.int32(-1 if eos_id is None else eos_id), jnp.int32(pad_id), sampling=sampling,
+      end_tokens(eos_id), jnp.int32(pad_id), sampling=sampling,
       buffer_length=int(limits.max()) + 1, capacity=capacity)
   return _trim(result, int(limits.max()))
 
@@ -241,7 +242,7 @@ def speculative_decode(
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     max_new_tokens: int | Sequence[int] = 32,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
     partitioner=None,
@@ -286,7 +287,7 @@ def speculative_decode(
           partitioner.jit_decode_loop(_speculative_loop, num_models=2))
   result = loop(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
-      limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+      limits, jax.random.key(seed), end_tokens(eos_id),
       jnp.int32(pad_id), gamma=gamma, rule=rule, sampling=sampling,
       buffer_length=max_new + gamma + 1,
       target_capacity=target_capacity, draft_capacity=draft_capacity)
@@ -326,9 +327,11 @@ def _validate_common(model, prompt_tokens, prompt_lengths, sampling, max_new_tok
     raise ValueError(f'max_new_tokens must be integers >= 1, got {max_new_tokens!r}.')
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f'seed must be an integer, got {seed!r}.')
-  if eos_id is not None and not 0 <= eos_id < model.vocab_size:
-    raise ValueError(f'eos_id must be a token id in [0, {model.vocab_size}) or None, got'
-                     f' {eos_id!r}.')
+  ends = [] if eos_id is None else np.ravel(np.asarray(eos_id)).tolist()
+  if eos_id is not None and (not ends or not all(
+      isinstance(e, int) and 0 <= e < model.vocab_size for e in ends)):
+    raise ValueError(f'eos_id must be a token id in [0, {model.vocab_size}), several of them,'
+                     f' or None, got {eos_id!r}.')
   return (jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32),
           jnp.asarray(limits, jnp.int32))
 
@@ -389,15 +392,22 @@ def _trim(result: DecodeResult, max_new: int) -> DecodeResult:
 # The loops
 
 
+def end_tokens(eos_id: int | Sequence[int] | None) -> jax.Array:
+  """The loops' end tokens `[E]`: the ids that end a row (-1, no token, for None)."""
+  return jnp.asarray(np.ravel(np.asarray(-1 if eos_id is None else eos_id)), jnp.int32)
+
+
 def _append(state: _LoopState, new_tokens, num_new, limits, eos_id) -> tuple[jax.Array, ...]:
-  """Appends `new_tokens[b, :num_new[b]]` to each active row, cut at an end token or the limit.
+  """Appends `new_tokens[b, :num_new[b]]` to each active row, cut at an end token (any of
+  `eos_id` `[E]`) or the limit.
 
   Returns (tokens, num_generated, stop_reasons) for the next state.
   """
   write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
   tokens = write(state.tokens, new_tokens, state.num_generated)
   offsets = jnp.arange(new_tokens.shape[1])[None, :]
-  is_eos = (new_tokens == eos_id) & (offsets < num_new[:, None])
+  is_end = jnp.any(new_tokens[..., None] == eos_id, axis=-1)
+  is_eos = is_end & (offsets < num_new[:, None])
   has_eos = jnp.any(is_eos, axis=-1)
   kept = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, num_new)
   total = state.num_generated + kept

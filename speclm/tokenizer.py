@@ -36,11 +36,14 @@ _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # Llama 3's split (numbers in groups of up to three digits, case-insensitive contractions).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's (Qwen2, 2.5 and 3): Llama 3's with every digit alone.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r'\p{N}{1,3}', r'\p{N}')
 # Pre-tokenization names (llama.cpp's, GGUF's `tokenizer.ggml.pre`), grouped as llama.cpp does.
 _DIGIT_SPLIT_PRE = ('smollm', 'starcoder', 'refact', 'command-r', 'codeshell', 'exaone',
                     'minerva')
 _GPT2_PRE = ('gpt2', 'default', 'mpt', 'olmo', 'jais', 'gpt-2')
 _LLAMA3_PRE = ('llama3', 'llama-bpe', 'llama-v3', 'smaug-bpe', 'dbrx')
+_QWEN2_PRE = ('qwen2', 'stablelm2', 'hunyuan')
 
 
 def _tokenizers():
@@ -60,17 +63,31 @@ class Tokenizer:
       that ends a reply; pass it to the decode loops.
     add_bos: whether `encode` prepends `bos_id` by default (GGUF `add_bos_token`).
     chat_template: the Jinja chat template, or None.
+    space_prefix: whether `encode` puts a space before the text (SentencePiece's dummy
+      prefix, on the whole text: before special tokens too).
+    extra_end_ids: the model's other tokens that end a reply (a chat model's end of turn,
+      from Hugging Face's generation_config.json or GGUF's eot/eom ids). `end_ids` is all of
+      them with `eos_id` first; pass it to the decode loops as `eos_id`.
   """
 
   def __init__(self, backend, *, bos_id: int | None = None, eos_id: int | None = None,
                pad_id: int | None = None, add_bos: bool = False,
-               chat_template: str | None = None):
+               chat_template: str | None = None, space_prefix: bool = False,
+               end_ids: Iterable[int] = ()):
     self.backend = backend
+    self.space_prefix = space_prefix
+    self.extra_end_ids = tuple(int(i) for i in end_ids)
     self.bos_id = bos_id
     self.eos_id = eos_id
     self.pad_id = pad_id
     self.add_bos = add_bos
     self.chat_template = chat_template
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """`eos_id` (if any), then the checkpoint's other end tokens, without repeats."""
+    first = () if self.eos_id is None else (int(self.eos_id),)
+    return tuple(dict.fromkeys(first + self.extra_end_ids))
 
   def __repr__(self) -> str:
     return (f'Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id},'
@@ -90,6 +107,8 @@ class Tokenizer:
 
   def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
     """Token ids of `text`; special-token strings such as `<|im_start|>` become their ids."""
+    if self.space_prefix:
+      text = ' ' + text
     ids = self.backend.encode(text, add_special_tokens=True).ids
     if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
       if not ids or ids[0] != self.bos_id:
@@ -98,10 +117,11 @@ class Tokenizer:
 
   def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True,
              stop_at_eos: bool = True) -> str:
-    """Text of `ids`, cut at the first `eos_id` when `stop_at_eos`."""
+    """Text of `ids`, cut at the first end token (`end_ids`) when `stop_at_eos`."""
     ids = [int(i) for i in ids]
-    if stop_at_eos and self.eos_id is not None and self.eos_id in ids:
-      ids = ids[:ids.index(self.eos_id)]
+    if stop_at_eos:
+      ends = [k for k, i in enumerate(ids) if i in self.end_ids]
+      ids = ids[:ends[0]] if ends else ids
     return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
   # --- chat -------------------------------------------------------------------------------------
@@ -184,7 +204,7 @@ class Tokenizer:
   @classmethod
   def from_pretrained_dir(cls, directory: str | os.PathLike) -> 'Tokenizer':
     """From a Hugging Face model directory (`tokenizer.json`, `tokenizer_config.json`,
-    `chat_template.jinja` when present)."""
+    `chat_template.jinja` when present; the end tokens of `generation_config.json`)."""
     directory = os.fspath(directory)
     config: dict[str, Any] = {}
     config_path = os.path.join(directory, 'tokenizer_config.json')
@@ -195,7 +215,15 @@ class Tokenizer:
     if 'chat_template' not in config and os.path.isfile(template_path):
       with open(template_path, encoding='utf-8') as f:
         config['chat_template'] = f.read()
-    return cls.from_tokenizer_json(os.path.join(directory, 'tokenizer.json'), config)
+    tok = cls.from_tokenizer_json(os.path.join(directory, 'tokenizer.json'), config)
+    generation_path = os.path.join(directory, 'generation_config.json')
+    if os.path.isfile(generation_path):
+      with open(generation_path, encoding='utf-8') as f:
+        ends = json.load(f).get('eos_token_id')
+      if ends is not None:
+        ends = [ends] if isinstance(ends, int) else ends
+        tok.extra_end_ids += tuple(int(i) for i in ends)
+    return tok
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str = 'default', *,
@@ -206,8 +234,9 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str = 'def
     tokens: the vocabulary; a token's id is its index.
     merges: BPE merges as 'left right' strings, highest priority first.
     pre: how text is split before BPE, by llama.cpp's name (GGUF `tokenizer.ggml.pre`):
-      'default'/'gpt2'/… (GPT-2's split), 'llama3'/'llama-bpe'/…, 'smollm'/'starcoder'/…
-      (every digit alone, then GPT-2's split). Unknown names are a ValueError.
+      'default'/'gpt2'/… (GPT-2's split), 'llama3'/'llama-bpe'/…, 'qwen2'/… (Llama 3's split
+      with every digit alone), 'smollm'/'starcoder'/… (every digit alone, then GPT-2's split).
+      Unknown names are a ValueError.
     added_tokens: (token, special) pairs matched whole before BPE (control and user-defined
       tokens such as `<|im_start|>`); special ones are dropped by `decode(...,
       skip_special_tokens=True)`.
@@ -228,13 +257,66 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str = 'def
     split = [pre_tokenizers.Split(tokenizers.Regex(_GPT2_SPLIT), behavior='isolated')]
   elif pre in _LLAMA3_PRE:
     split = [pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior='isolated')]
+  elif pre in _QWEN2_PRE:
+    split = [pre_tokenizers.Split(tokenizers.Regex(_QWEN2_SPLIT), behavior='isolated')]
   else:
+    known = _DIGIT_SPLIT_PRE + _GPT2_PRE + _LLAMA3_PRE + _QWEN2_PRE
     raise ValueError(f'{source!r} asks for the pre-tokenizer {pre!r}, which speclm does not know;'
-                     f' known: {", ".join(_DIGIT_SPLIT_PRE + _GPT2_PRE + _LLAMA3_PRE)}.')
+                     f' known: {", ".join(known)}.')
   backend.pre_tokenizer = pre_tokenizers.Sequence(split + [byte_level])
   backend.decoder = decoders.ByteLevel()
   added = [tokenizers.AddedToken(token, special=special, normalized=False)
            for token, special in added_tokens]
+  if added:
+    backend.add_tokens(added)
+  return backend
+
+
+# SentencePiece piece types (as GGUF's tokenizer.ggml.token_type stores them).
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
+                      add_space_prefix: bool = True, source: str = ''):
+  """A `tokenizers.Tokenizer` equal to a SentencePiece BPE model (Llama 2, Gemma, Mistral v1)
+  given its pieces, their scores and types (GGUF `tokenizer.ggml.model` 'llama').
+
+  SentencePiece's BPE merges, at each step, the adjacent pair whose concatenation is the
+  highest-scoring piece; a BPE merge list ranked by the merged piece's score does the same.
+  Spaces become '▁'; characters no piece covers fall back to byte pieces `<0xXX>`; control
+  and user-defined pieces (`<bos>`, `<start_of_turn>`) are matched whole. SentencePiece's
+  dummy prefix (`add_space_prefix`) is a space before the whole text, special pieces
+  included, which a `tokenizers` normalizer (applied between special pieces) cannot add:
+  give `Tokenizer(space_prefix=add_space_prefix)` this backend; its decoder removes the space.
+  """
+  tokenizers = _tokenizers()
+  from tokenizers import decoders, models, normalizers  # pylint: disable=import-outside-toplevel
+
+  if not len(tokens) == len(scores) == len(types):
+    raise ValueError(f'{source!r}: {len(tokens)} pieces, {len(scores)} scores and {len(types)}'
+                     ' types; a SentencePiece vocabulary needs one of each per piece.')
+  vocab = {token: i for i, token in enumerate(tokens)}
+  mergeable = {token for token, kind in zip(tokens, types) if kind == _SP_NORMAL}
+  merges = []
+  for token, score, kind in zip(tokens, scores, types):
+    if kind != _SP_NORMAL:
+      continue
+    for cut in range(1, len(token)):
+      left, right = token[:cut], token[cut:]
+      if left in mergeable and right in mergeable:
+        merges.append((-float(score), vocab[token], cut, left, right))
+  merges.sort()
+  unknown = next((token for token, kind in zip(tokens, types) if kind == _SP_UNKNOWN), None)
+  backend = tokenizers.Tokenizer(models.BPE(
+      vocab=vocab, merges=[(left, right) for *_, left, right in merges], unk_token=unknown,
+      fuse_unk=True, byte_fallback=True))
+  backend.normalizer = normalizers.Replace(' ', '▁')
+  decode_steps = [decoders.Replace('▁', ' '), decoders.ByteFallback(), decoders.Fuse()]
+  if add_space_prefix:
+    decode_steps.append(decoders.Strip(' ', 1, 0))
+  backend.decoder = decoders.Sequence(decode_steps)
+  added = [tokenizers.AddedToken(token, special=kind == _SP_CONTROL, normalized=False)
+           for token, kind in zip(tokens, types) if kind in (_SP_CONTROL, _SP_USER_DEFINED)]
   if added:
     backend.add_tokens(added)
   return backend

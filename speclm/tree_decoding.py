@@ -53,7 +53,7 @@ def tree_speculative_decode(
     sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
     max_new_tokens: int | Sequence[int] = 32,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
 ) -> decoding.DecodeResult:
@@ -91,7 +91,7 @@ def tree_speculative_decode(
       model.definition, width, max_new, num_nodes, cache_length)
   result = _tree_jit(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
-      limits, jax.random.key(seed), jnp.int32(-1 if eos_id is None else eos_id),
+      limits, jax.random.key(seed), decoding.end_tokens(eos_id),
       jnp.int32(pad_id), tree=tree, sampling=sampling,
       buffer_length=max_new + tree.depth + 1, target_capacity=capacity(target),
       draft_capacity=capacity(draft))

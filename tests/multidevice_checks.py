@@ -34,6 +34,8 @@ LLAMA = dict(vocab_size=64, embed_dim=32, num_heads=8, num_kv_heads=4, head_dim=
 T5 = dict(vocab_size=64, emb_dim=32, num_heads=8, head_dim=4, mlp_dim=64)
 # Parameters whose per-device shapes the test checks.
 WATCHED = {
+    'gemma3': ['layers_0/attention/query/kernel', 'layers_0/attention/query_norm/scale',
+               'layers_0/post_mlp_norm/scale'],
     'llama': ['embedder/embedding', 'layers_0/attention/query/kernel',
               'layers_0/attention/key/kernel', 'layers_0/attention/out/kernel',
               'layers_0/mlp/gate/kernel', 'layers_0/mlp/down/kernel', 'final_norm/scale'],
@@ -48,6 +50,11 @@ def _models(kind):
   if kind == 'llama':
     target = llama.random_model(num_layers=2, seed=0, **LLAMA)
     draft = llama.random_model(num_layers=1, seed=0, **LLAMA)  # shares embedding and layer 0
+  elif kind == 'gemma3':  # a new family: q/k norms, post norms, a sliding layer, soft-capping
+    switches = dict(family='gemma3', sliding_window=4, final_logit_softcap=10.0, **LLAMA)
+    target = llama.random_model(num_layers=2, seed=3, layer_types=('sliding', 'full'),
+                                **switches)
+    draft = llama.random_model(num_layers=1, seed=4, layer_types=('sliding',), **switches)
   else:
     target = t5.random_model(num_layers=2, seed=0, **T5)
     draft = t5.random_model(vocab_size=64, emb_dim=16, num_layers=1, num_heads=2, seed=1)
@@ -70,7 +77,7 @@ def _shard_shapes(tree, names):
 def check_decode():
   out = {'devices': jax.device_count()}
   prompts, lengths = _prompts()
-  for kind in ('llama', 't5'):
+  for kind in ('llama', 'gemma3', 't5'):
     target, draft = _models(kind)
     ref = decoding.speculative_decode(target, draft, prompts, lengths, gamma=GAMMA,
                                       max_new_tokens=MAX_NEW)

@@ -16,13 +16,17 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bottom to top, as in WORKSPACE.md. A module belongs to the layer of its longest matching
-# prefix; it may import its own layer and those below.
+# prefix; it may import its own layer and those below. The package itself (speclm/__init__.py,
+# the public API) is matched by its exact name: it exports `speclm.generate`, which loads
+# checkpoints by path, so it sits above the readers.
+PACKAGE = 'speclm'
 LAYERS = (
     ('foundations', ('speclm.sampling', 'speclm.protocol', 'speclm.trees', 'speclm.token_trees')),
-    ('core', ('speclm', 'speclm.speculative', 'speclm.decoding', 'speclm.models',
-              'speclm.kernels', 'speclm.tokenizer', 'speclm.partitioning', 'speclm.data',
-              'speclm.outputs', 'speclm.progress')),
+    ('core', ('speclm.speculative', 'speclm.decoding', 'speclm.adaptive',
+              'speclm.tree_decoding', 'speclm.models', 'speclm.kernels', 'speclm.tokenizer',
+              'speclm.partitioning', 'speclm.data', 'speclm.outputs', 'speclm.progress')),
     ('checkpoints', ('speclm.checkpoints',)),
+    ('api', (PACKAGE, 'speclm.text')),
     ('presets', ('speclm.presets',)),
     ('analysis', ('speclm.analysis', 'speclm.testing')),
     ('job', ('speclm.run', 'speclm.analysis.__main__', 'speclm.example')),
@@ -54,7 +58,8 @@ def layer_of(module: str) -> int:
   best, best_len = None, -1
   for index, (_, prefixes) in enumerate(LAYERS):
     for prefix in prefixes:
-      if (module == prefix or module.startswith(prefix + '.')) and len(prefix) > best_len:
+      prefixed = prefix != PACKAGE and module.startswith(prefix + '.')
+      if (module == prefix or prefixed) and len(prefix) > best_len:
         best, best_len = index, len(prefix)
   if best is None:
     raise AssertionError(f'{module} is in no layer: add it to LAYERS and WORKSPACE.md')

@@ -104,6 +104,23 @@ def test_end_of_sequence_mid_generation(target, drafts, prompts, baseline):
       np.testing.assert_array_equal(spec.stop_reasons, base.stop_reasons)
 
 
+def test_several_end_tokens(target, drafts, prompts, baseline):
+  """eos_id as a list (a chat model's end-of-turn and end-of-text ids): each row ends at the
+  first of them it generates, in both loops."""
+  generated = np.asarray(baseline.tokens)
+  ends = [int(generated[0, 4]), int(generated[2, 6])]
+  base = speclm.autoregressive_decode(target, *prompts, max_new_tokens=MAX_NEW, eos_id=ends)
+  for row in range(generated.shape[0]):
+    hits = np.flatnonzero(np.isin(generated[row, :MAX_NEW], ends))
+    assert int(base.lengths[row]) == (hits[0] + 1 if hits.size else MAX_NEW)
+  spec = speclm.speculative_decode(target, drafts['related'], *prompts, gamma=3,
+                                   max_new_tokens=MAX_NEW, eos_id=ends)
+  assert spec.to_lists() == base.to_lists()
+  np.testing.assert_array_equal(spec.stop_reasons, base.stop_reasons)
+  with pytest.raises(ValueError, match='several of them'):
+    speclm.autoregressive_decode(target, *prompts, eos_id=[1, 10**6])
+
+
 def test_per_row_max_new_tokens(target, drafts, prompts, baseline):
   limits = [3, MAX_NEW, 1, 10]
   spec = speclm.speculative_decode(target, drafts['related'], *prompts, gamma=3,

@@ -39,6 +39,25 @@ def test_greedy_speculative_equals_baseline(target, gamma, cpu_kernels):
   np.testing.assert_array_equal(spec.tokens, base.tokens)
 
 
+def test_feature_draft_of_another_family():
+  """The feature hand-off of the other families (here Gemma 2: scaled embeddings, post norms,
+  sliding layers, soft-capped logits): the draft reads the head's inputs, and greedy decoding
+  with it equals the baseline."""
+  target = llama.random_model(vocab_size=32, embed_dim=32, num_layers=2, seed=4,
+                              family='gemma2', sliding_window=3, final_logit_softcap=5.0)
+  cache = target.definition.init_cache(2, 8)
+  logits, features, _ = target.definition.prefill_with_features(
+      target.params, PROMPTS, LENGTHS, cache)
+  last = features[jnp.arange(2), LENGTHS - 1]
+  table = target.params['embedder']['embedding']
+  np.testing.assert_allclose(5.0 * jnp.tanh(last @ table.T / 5.0), logits, atol=1e-5)
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1)
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=16)
+  spec = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=2,
+                                   max_new_tokens=16)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+
+
 def _echo_draft(target):
   """An EAGLE draft whose prediction is the feature it is given: `fuse` passes the feature
   through, the layer adds nothing (zero output projections) and the head is the target's full

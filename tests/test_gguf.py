@@ -111,7 +111,8 @@ def test_float_tensors(tmp_path):
 def test_quantize_round_trip_is_close(tmp_path):
   """Quantized by the gguf package, dequantized by us: within each format's step size."""
   w = np.random.default_rng(2).normal(size=(8, 64)).astype(np.float32)
-  for kind, tolerance in (('Q8_0', 0.02), ('Q4_1', 0.25), ('Q4_0', 0.35)):
+  for kind, tolerance in (('Q8_0', 0.02), ('Q5_1', 0.12), ('Q5_0', 0.18), ('Q4_1', 0.25),
+                          ('Q4_0', 0.35)):
     _write(tmp_path / f'{kind}.gguf', {'w': (gguf.quants.quantize(w, Q[kind]), Q[kind])})
     got = gguf_reader.open_gguf(tmp_path / f'{kind}.gguf').tensor('w')
     assert np.max(np.abs(got - w)) < tolerance, kind
@@ -280,9 +281,9 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_quantization(tmp_path):
-  w = np.random.default_rng(0).normal(size=(2, 32)).astype(np.float32)
-  _write(tmp_path / 'q.gguf', {'w': (gguf.quants.quantize(w, Q.Q5_0), Q.Q5_0)})
-  with pytest.raises(ValueError, match='Q5_0.*supported types are F32, F16, BF16, Q4_0, Q4_1'):
+  # Q8_1: llama.cpp's intermediate type for dot products, which no model file holds.
+  _write(tmp_path / 'q.gguf', {'w': (np.zeros((2, 40), np.uint8), Q.Q8_1)})
+  with pytest.raises(ValueError, match='Q8_1.*supported types are F32, F16, BF16, Q4_0, Q4_1'):
     gguf_reader.open_gguf(tmp_path / 'q.gguf').tensor('w')
 
 
@@ -342,7 +343,61 @@ def test_tokenizer_from_gguf_metadata(tmp_path):
   assert tok.encode_chat('hi')[:2] == [0, vocab.index('[')]  # the template's BOS, not a second
 
 
-@pytest.mark.parametrize('model,pre,message', [('llama', 'default', "'llama' tokenizer"),
+@pytest.mark.parametrize('pre,pieces', [
+    ('qwen2', ['1', '2', '3', '4', ' apples', ',\n', ' ', ' done']),  # Qwen2/2.5/3: digits alone
+    ('llama-bpe', ['123', '4', ' apples', ',\n', ' ', ' done']),  # Llama 3: groups of three
+])
+def test_pre_tokenizers_split_like_llama_cpp(tmp_path, pre, pieces):
+  _tokenizer_file(tmp_path / 't.gguf', pre=pre)
+  tok = gguf_reader.load_tokenizer(tmp_path / 't.gguf')
+  text = '1234 apples,\n  done'
+  assert tok.decode(tok.encode(text)) == text
+  split = [piece for piece, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+  byte_level = str.maketrans({'Ġ': ' ', 'Ċ': '\n'})  # GPT-2's byte symbols for space, newline
+  assert [piece.translate(byte_level) for piece in split] == pieces
+
+
+@pytest.mark.parametrize('add_space_prefix', [True, False])  # Llama 2 / Gemma
+def test_sentencepiece_tokenizer_equals_sentencepiece(tmp_path, add_space_prefix):
+  """A SentencePiece BPE model trained here (byte fallback, a user-defined piece) written to
+  GGUF's tokenizer.ggml.* keys: our ids are SentencePiece's own, decoding inverts them."""
+  spm = pytest.importorskip('sentencepiece')
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_text('\n'.join([
+      'the draft proposes tokens and the target verifies them in parallel',
+      'speculative sampling keeps the target distribution exactly',
+      'a smaller model guesses; the larger one checks every guess at once',
+      'rejection sampling corrects the first rejected token'] * 20))
+  spm.SentencePieceTrainer.train(
+      input=str(corpus), model_prefix=str(tmp_path / 'sp'), vocab_size=420, model_type='bpe',
+      byte_fallback=True, user_defined_symbols=['<start_of_turn>'],
+      add_dummy_prefix=add_space_prefix, character_coverage=1.0, minloglevel=2,
+      remove_extra_whitespaces=False, normalization_rule_name='identity')  # as Llama 2, Gemma
+  sp = spm.SentencePieceProcessor(model_file=str(tmp_path / 'sp.model'))
+  pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+  types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else
+           4 if pieces[i] == '<start_of_turn>' else 1 for i in range(len(pieces))]
+
+  def configure(writer):
+    writer.add_tokenizer_model('llama')
+    writer.add_token_list(pieces)
+    writer.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_add_space_prefix(add_space_prefix)
+
+  _write(tmp_path / 't.gguf', {'token_embd.weight': np.zeros((len(pieces), 8), np.float32)},
+         configure=configure)
+  tok = gguf_reader.load_tokenizer(tmp_path / 't.gguf')
+  for text in ['the target verifies them', 'Speculative  sampling, exactly!',
+               'ünïcode → 123 and émoji 🙂', ' leading space', '<start_of_turn>the draft']:
+    ids = tok.encode(text, add_bos=False)
+    assert ids == sp.encode(text), text
+    assert tok.decode(ids) == sp.decode(ids), text
+
+
+@pytest.mark.parametrize('model,pre,message', [('bert', 'default', "'bert' tokenizer"),
                                                ('gpt2', 'mystery', "pre-tokenizer 'mystery'")])
 def test_tokenizer_errors(tmp_path, model, pre, message):
   _tokenizer_file(tmp_path / 't.gguf', model=model, pre=pre)

@@ -155,7 +155,7 @@ def decode_results(eight_device_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('kind', ['llama', 't5'])
+@pytest.mark.parametrize('kind', ['llama', 'gemma3', 't5'])
 @pytest.mark.parametrize('mesh', MESHES)
 def test_sharded_speculative_decoding_matches_one_device(decode_results, kind, mesh):
   entry = decode_results[kind]
@@ -184,6 +184,9 @@ def test_parameters_are_really_split(decode_results):
     assert shard('llama', mesh, 'layers_0/mlp/gate/kernel') == ((32, 64), (32, 64 // m))
     assert shard('llama', mesh, 'layers_0/mlp/down/kernel') == ((64, 32), (64 // m, 32))
     assert shard('llama', mesh, 'final_norm/scale') == ((32,), (32,))  # 'embed' replicated
+    assert shard('gemma3', mesh, 'layers_0/attention/query/kernel') == ((32, 8, 4),
+                                                                        (32, 8 // m, 4))
+    assert shard('gemma3', mesh, 'layers_0/attention/query_norm/scale') == ((4,), (4,))
     assert shard('t5', mesh, 'token_embedder/embedding') == ((64, 32), (64 // m, 32))
     assert shard('t5', mesh, 'encoder/layers_0/attention/query/kernel') == ((32, 32),
                                                                              (32, 32 // m))

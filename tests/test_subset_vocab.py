@@ -1,6 +1,7 @@
 """A draft over a vocabulary subset: zero mass elsewhere, still exact."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -64,3 +65,27 @@ def test_subset_validation():
     subset_vocab.wrap(inner, [1, 2], 10)
   with pytest.raises(ValueError, match='duplicate'):
     subset_vocab.wrap(inner, [1, 1, 2], 10)
+
+
+def test_resized_vocabulary_pads_with_zero_probability_and_drops_extra_ids():
+  """A draft over 40 ids seen as 48 (q̃ = 0 on the 8 it lacks, which enter as its last id)
+  and as 32 (its logits past 32 dropped); greedy decoding with the wider one equals the
+  baseline."""
+  draft = llama.random_model(vocab_size=40, num_layers=1, seed=5)
+  tokens = jnp.asarray([[3, 39, 45, 7]])  # 45: an id only the larger vocabulary has
+  inner = draft.definition.forward(draft.params, jnp.minimum(tokens, 39))
+  wider = subset_vocab.resize_vocabulary(draft, 48)
+  logits = wider.definition.extend(wider.params, tokens,
+                                   wider.definition.init_cache(1, 8))[0]
+  np.testing.assert_allclose(np.asarray(logits[..., :40]), np.asarray(inner), atol=1e-5)
+  assert np.all(np.isneginf(np.asarray(logits[..., 40:])))
+  narrower = subset_vocab.resize_vocabulary(draft, 32)
+  logits = narrower.definition.extend(narrower.params, jnp.minimum(tokens, 31),
+                                      narrower.definition.init_cache(1, 8))[0]
+  assert logits.shape[-1] == 32
+  assert subset_vocab.resize_vocabulary(draft, 40) is draft
+  target = llama.random_model(vocab_size=48, num_layers=1, seed=6)
+  prompts, lengths = np.array([[1, 2, 3], [4, 45, 0]], np.int32), np.array([3, 2], np.int32)
+  base = speclm.autoregressive_decode(target, prompts, lengths, max_new_tokens=8)
+  spec = speclm.speculative_decode(target, wider, prompts, lengths, gamma=3, max_new_tokens=8)
+  assert spec.to_lists() == base.to_lists()

@@ -1,14 +1,35 @@
-"""Reads Llama-family GGUF checkpoints (the llama.cpp file format) into speclm parameters.
+"""Reads GGUF checkpoints (the llama.cpp file format) of the Llama family into speclm.
 
 The `gguf` package parses the file (a memory map: nothing is unpickled). This module turns its
-tensors into our parameter tree (`speclm.models.llama`'s docstring) and its `llama.*` metadata
-into a `LlamaConfig`:
+metadata into a `LlamaConfig` and its tensors into our parameter tree (`speclm.models.llama`'s
+docstring), for the architectures llama.cpp's converter writes for the families speclm runs
+(`SUPPORTED_ARCHITECTURES`; any other is refused with that list):
 
-* Dequantization to float32 of F32, F16, BF16, Q4_0, Q4_1 and Q8_0 tensors (blocks of 32
-  values with one or two float16 constants each); any other type is a clear ValueError.
-* llama.cpp's converter interleaves the rows of the query and key projections, per head, so
-  that its own RoPE can rotate adjacent pairs (x0, x1), (x2, x3), …; Hugging Face and speclm
-  rotate the two halves (x_i, x_{i+H/2}). `unpermute_rows` restores the half layout.
+  architecture  family            what the reader does beyond Llama's
+  llama         llama, mistral    undoes the Q/K row interleaving (below); a file carrying
+                                  `llama.attention.sliding_window` is a Mistral
+  qwen2         qwen2             query/key/value biases `blk.{i}.attn_{q,k,v}.bias`
+  qwen3         qwen3             per-head q/k norms `blk.{i}.attn_{q,k}_norm.weight`
+  gemma2        gemma2            norm weights minus 1; post-attention and post-MLP norms;
+                                  soft-caps; alternate sliding layers (layer i iff i is even)
+  gemma3        gemma3            norm weights minus 1; q/k norms; 5 sliding layers before each
+                                  global one, with RoPE base 10000 (llama.cpp's constant)
+
+* Tensor names: `GGUF_NAMES` maps Hugging Face names to GGUF's (llama.cpp's converter, as in
+  the `gguf` package's `TensorNameMap`); `hf_llama.weight_names` then gives our names and
+  layouts, so one table serves both readers.
+* Dequantization to float32 of every type in `SUPPORTED_TYPES` (floats, the 32-value blocks
+  Q4_0 … Q8_0, the 256-value K-quants Q2_K … Q6_K, the IQ, TQ and FP4 types) by the `gguf`
+  package; any other type is a clear ValueError listing these.
+* llama.cpp's converter interleaves the rows of the query and key projections of the 'llama'
+  architecture only, per head, so that its RoPE can rotate adjacent pairs (x0, x1), (x2, x3), …;
+  Hugging Face and speclm rotate the two halves (x_i, x_{i+H/2}). `unpermute_rows` restores
+  the half layout. Qwen and Gemma files keep Hugging Face's order.
+* Gemma's norms scale by (1 + w) and the converter stores 1 + w in every `*norm.weight`
+  tensor; the reader subtracts the 1 again (our parameter is w, as in Hugging Face).
+* GGUF does not store Gemma's `query_pre_attn_scalar`; like llama.cpp, the reader uses the
+  head size, except for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), which use
+  embedding_length / head_count.
 * GGUF stores a matrix `[out, in]` (numpy row-major, the reverse of the file's listed shape);
   our kernels are `[in, out]`, with the heads axis split out for attention.
 * `{arch}.context_length` becomes `LlamaConfig.max_position_embeddings` (the model's
@@ -16,7 +37,8 @@ into a `LlamaConfig`:
 
 * The tokenizer in the metadata (`tokenizer.ggml.*`: byte-level BPE vocabulary, merges,
   token types, special ids, the pre-tokenizer name, and `tokenizer.chat_template`) becomes a
-  `speclm.tokenizer.Tokenizer` (`load_tokenizer`).
+  `speclm.tokenizer.Tokenizer` (`load_tokenizer`). SentencePiece vocabularies ('llama': Gemma's,
+  Llama 2's) are refused: load the model's Hugging Face tokenizer.json instead.
 
 Typical use:
 
@@ -29,20 +51,52 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import abc
 from typing import Any, Mapping
 
 import numpy as np
 
 from speclm import protocol
 from speclm import tokenizer
+from speclm.checkpoints import hf_llama
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
 
 _SETUP_HINT = 'Install it with `pip install gguf` (speclm extra: `pip install speclm[gguf]`).'
 
-# Quantization types this reader dequantizes (names of gguf.GGMLQuantizationType).
-SUPPORTED_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q8_0')
-SUPPORTED_ARCHITECTURES = ('llama',)
+# Quantization types this reader dequantizes (names of gguf.GGMLQuantizationType): every type
+# `gguf.quants.dequantize` decodes (gguf 0.19).
+SUPPORTED_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0', 'Q2_K', 'Q3_K',
+                   'Q4_K', 'Q5_K', 'Q6_K', 'IQ1_S', 'IQ1_M', 'IQ2_XXS', 'IQ2_XS', 'IQ2_S',
+                   'IQ3_XXS', 'IQ3_S', 'IQ4_NL', 'IQ4_XS', 'TQ1_0', 'TQ2_0', 'MXFP4', 'NVFP4')
+# GGUF `general.architecture` -> speclm family ('llama' files holding a sliding window are
+# Mistrals: llama.cpp converts Mistral as 'llama').
+ARCHITECTURE_FAMILIES = {'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3',
+                         'gemma2': 'gemma2', 'gemma3': 'gemma3'}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
+_GEMMA = ('gemma2', 'gemma3')
+# Hugging Face tensor name -> GGUF's, as llama.cpp's converter names them. Per layer,
+# `model.layers.{i}.{hf}.{weight,bias}` is `blk.{i}.{gguf}.{weight,bias}`.
+GGUF_NAMES = {'model.embed_tokens.weight': 'token_embd.weight',
+              'model.norm.weight': 'output_norm.weight', 'lm_head.weight': 'output.weight'}
+_LAYER_NAMES = {
+    'input_layernorm': 'attn_norm', 'self_attn.q_proj': 'attn_q', 'self_attn.k_proj': 'attn_k',
+    'self_attn.v_proj': 'attn_v', 'self_attn.o_proj': 'attn_output',
+    'self_attn.q_norm': 'attn_q_norm', 'self_attn.k_norm': 'attn_k_norm',
+    'post_attention_layernorm': 'ffn_norm', 'mlp.gate_proj': 'ffn_gate',
+    'mlp.up_proj': 'ffn_up', 'mlp.down_proj': 'ffn_down'}
+# Gemma has four norms per layer; its HF post-attention norm is not the MLP's input norm.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, 'post_attention_layernorm': 'post_attention_norm',
+                      'pre_feedforward_layernorm': 'ffn_norm',
+                      'post_feedforward_layernorm': 'post_ffw_norm'}
+# llama.cpp's constants for what Gemma files do not store: the sliding layers' pattern (every
+# n-th layer global), Gemma 3's local RoPE base, Gemma 2's window and soft-caps, and the layer
+# counts of the 27B models (whose query scale uses embedding_length / head_count).
+_SLIDING_PATTERN = {'gemma2': 2, 'gemma3': 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+_GEMMA2_DEFAULTS = {'attention.sliding_window': 4096, 'attn_logit_softcapping': 50.0,
+                    'final_logit_softcapping': 30.0}
+_LAYERS_27B = {'gemma2': 46, 'gemma3': 62}
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -131,7 +185,7 @@ def dequantize(tensor) -> np.ndarray:
     raise ValueError(
         f'Tensor {tensor.name!r} uses GGUF quantization type {qtype.name}, which speclm does'
         f' not read; supported types are {", ".join(SUPPORTED_TYPES)}. Re-quantize the model'
-        ' (for example to Q8_0 or F16) with llama.cpp\'s tools.')
+        ' (for example to Q8_0 or Q4_K) with llama.cpp\'s tools.')
   shape = tuple(int(n) for n in reversed(tensor.shape))  # the file lists the fastest axis first
   data = np.asarray(tensor.data)
   if qtype.name == 'F32':
@@ -139,7 +193,12 @@ def dequantize(tensor) -> np.ndarray:
   elif qtype.name == 'F16':
     values = data.view(np.float16).astype(np.float32)
   else:
-    values = gguf.quants.dequantize(data, qtype)
+    try:
+      values = gguf.quants.dequantize(data, qtype)
+    except NotImplementedError as e:  # an older gguf package
+      raise ValueError(f'Tensor {tensor.name!r} is {qtype.name}, which the installed gguf'
+                       f' package cannot dequantize ({e}); upgrade it (pip install -U gguf).'
+                       ) from e
   return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
 
@@ -171,32 +230,51 @@ def _get(metadata: Mapping[str, Any], key: str, path: str, default: Any = None) 
   if key in metadata:
     return metadata[key]
   if default is None:
-    raise ValueError(f'{path!r} lacks the GGUF metadata key {key!r}, needed for a Llama model.')
+    raise ValueError(f'{path!r} lacks the GGUF metadata key {key!r}, needed for a'
+                     f' {key.split(".")[0]} model.')
   return default
 
 
+def _layer_types(md: Mapping[str, Any], arch: str, num_layers: int) -> tuple[str, ...]:
+  """Gemma's 'sliding'/'full' per layer: every n-th layer global, n from llama.cpp's constant
+  or an integer `{arch}.attention.sliding_window_pattern` (0: all sliding, 1: none)."""
+  every = md.get(f'{arch}.attention.sliding_window_pattern', _SLIDING_PATTERN[arch])
+  if isinstance(every, (list, tuple)):
+    raise ValueError(f'{arch}.attention.sliding_window_pattern is a per-layer list; speclm reads'
+                     ' a period (an integer) only.')
+  every = int(every)
+  return tuple('sliding' if every == 0 or i % every < every - 1 else 'full'
+               for i in range(num_layers))
+
+
 def config_from_gguf(file: GGUFFile, *, dtype: str = 'float32') -> llama.LlamaConfig:
-  """Reads the `LlamaConfig` from the file's `llama.*` metadata and tensor names."""
+  """Reads the `LlamaConfig` from the file's `{arch}.*` metadata and tensor names."""
   arch = file.architecture
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
         f'{file.path!r} holds a {arch or "(unnamed)"!r} model; speclm reads GGUF architectures'
-        f' {", ".join(SUPPORTED_ARCHITECTURES)} (Llama-family decoder-only models).')
+        f' {", ".join(SUPPORTED_ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, Gemma 2,'
+        ' Gemma 3).')
   md, path = file.metadata, file.path
-  embed_dim = int(_get(md, 'llama.embedding_length', path))
-  num_heads = int(_get(md, 'llama.attention.head_count', path))
-  num_kv_heads = int(md.get('llama.attention.head_count_kv', num_heads))
-  head_dim = int(md.get('llama.attention.key_length', embed_dim // num_heads))
-  if int(md.get('llama.attention.value_length', head_dim)) != head_dim:
+
+  def key(name):
+    return f'{arch}.{name}'
+
+  embed_dim = int(_get(md, key('embedding_length'), path))
+  num_heads = int(_get(md, key('attention.head_count'), path))
+  num_layers = int(_get(md, key('block_count'), path))
+  num_kv_heads = int(md.get(key('attention.head_count_kv'), num_heads))
+  head_dim = int(md.get(key('attention.key_length'), embed_dim // num_heads))
+  if int(md.get(key('attention.value_length'), head_dim)) != head_dim:
     raise ValueError(f'{path!r}: key and value head sizes differ; speclm needs them equal.')
-  rope_dims = int(md.get('llama.rope.dimension_count', head_dim))
+  rope_dims = int(md.get(key('rope.dimension_count'), head_dim))
   if rope_dims != head_dim:
     raise ValueError(f'{path!r}: RoPE covers {rope_dims} of {head_dim} head dimensions; partial'
                      ' rotary embeddings are not supported.')
   if 'token_embd.weight' not in file.tensors:
     raise ValueError(f'{path!r} has no token_embd.weight tensor.')
   embed_shape = tuple(int(n) for n in reversed(file.tensors['token_embd.weight'].shape))
-  vocab_size = int(md.get('llama.vocab_size', embed_shape[0]))
+  vocab_size = int(md.get(key('vocab_size'), embed_shape[0]))
   if embed_shape != (vocab_size, embed_dim):
     raise ValueError(f'{path!r}: token_embd.weight has shape {embed_shape}, expected'
                      f' ({vocab_size}, {embed_dim}).')
@@ -204,27 +282,58 @@ def config_from_gguf(file: GGUFFile, *, dtype: str = 'float32') -> llama.LlamaCo
     raise ValueError(f'{path!r} carries per-dimension RoPE frequency factors (rope_freqs),'
                      ' which speclm does not read; use the Hugging Face checkpoint instead.')
   scaling = None
-  scaling_type = md.get('llama.rope.scaling.type', 'none')
+  scaling_type = md.get(key('rope.scaling.type'), 'none')
   if scaling_type == 'linear':
-    scaling = llama.RopeScaling(kind='linear', factor=float(md['llama.rope.scaling.factor']))
+    scaling = llama.RopeScaling(kind='linear', factor=float(md[key('rope.scaling.factor')]))
   elif scaling_type not in ('none', None):
     raise ValueError(f'{path!r}: RoPE scaling {scaling_type!r} is not supported (only linear).')
-  context = md.get(f'{arch}.context_length')  # the trained context, e.g. 8192
-  return llama.LlamaConfig(
+  context = md.get(key('context_length'))  # the trained context, e.g. 8192
+  family = ARCHITECTURE_FAMILIES[arch]
+  fields: dict[str, Any] = {}
+  if arch in _GEMMA:
+    fields = _gemma_fields(md, arch, num_layers, embed_dim // num_heads, head_dim)
+  elif arch == 'llama' and md.get(key('attention.sliding_window')):
+    family = 'mistral'
+    fields['sliding_window'] = int(md[key('attention.sliding_window')])
+  return llama.family_config(
+      family,
       vocab_size=vocab_size,
-      num_layers=int(_get(md, 'llama.block_count', path)),
+      num_layers=num_layers,
       embed_dim=embed_dim,
       num_heads=num_heads,
       num_kv_heads=num_kv_heads,
       head_dim=head_dim,
-      mlp_dim=int(_get(md, 'llama.feed_forward_length', path)),
-      rope_theta=float(md.get('llama.rope.freq_base', 10_000.0)),
+      mlp_dim=int(_get(md, key('feed_forward_length'), path)),
+      rope_theta=float(md.get(key('rope.freq_base'), 10_000.0)),
       rope_scaling=scaling,
-      norm_eps=float(md.get('llama.attention.layer_norm_rms_epsilon', 1e-5)),
+      norm_eps=float(md.get(key('attention.layer_norm_rms_epsilon'), 1e-5)),
       tie_embeddings='output.weight' not in file.tensors,
       max_position_embeddings=int(context) if context else None,
       param_dtype=dtype,
-      dtype=dtype)
+      dtype=dtype,
+      **fields)
+
+
+def _gemma_fields(md: Mapping[str, Any], arch: str, num_layers: int, width_per_head: int,
+                  head_dim: int) -> dict[str, Any]:
+  """The Gemma switches GGUF metadata sets, with llama.cpp's values where it stores none."""
+  defaults = _GEMMA2_DEFAULTS if arch == 'gemma2' else {}
+
+  def read(name):
+    value = md.get(f'{arch}.{name}', defaults.get(name))
+    return float(value) if value else None  # 0 (or absent) means none
+
+  window = read('attention.sliding_window')
+  local_theta = md.get(f'{arch}.rope.freq_base_swa',
+                       _GEMMA3_LOCAL_ROPE_BASE if arch == 'gemma3' else None)
+  return dict(
+      query_pre_attn_scalar=float(width_per_head if num_layers == _LAYERS_27B[arch]
+                                  else head_dim),
+      attn_logit_softcap=read('attn_logit_softcapping'),
+      final_logit_softcap=read('final_logit_softcapping'),
+      sliding_window=int(window) if window else None,
+      layer_types=_layer_types(md, arch, num_layers) if window else None,
+      local_rope_theta=float(local_theta) if window and local_theta else None)
 
 
 def read_config(path: str | os.PathLike, *, dtype: str = 'float32') -> llama.LlamaConfig:
@@ -236,69 +345,68 @@ def read_config(path: str | os.PathLike, *, dtype: str = 'float32') -> llama.Lla
 # Parameters
 
 
-def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig) -> dict:
-  """All tensors of a Llama GGUF file as our parameter tree (numpy arrays, `param_dtype`)."""
-  c = config
-  dtype = np.dtype(c.param_dtype) if c.param_dtype != 'bfloat16' else None
-  known = {'token_embd.weight', 'output_norm.weight', 'output.weight'}
+def gguf_name(hf_name: str, family: str) -> str:
+  """The GGUF tensor name llama.cpp's converter gives the Hugging Face tensor `hf_name`."""
+  if hf_name in GGUF_NAMES:
+    return GGUF_NAMES[hf_name]
+  _, _, layer, rest = hf_name.split('.', 3)  # model.layers.{i}.{module}.{weight|bias}
+  module, kind = rest.rsplit('.', 1)
+  names = _GEMMA_LAYER_NAMES if family in _GEMMA else _LAYER_NAMES
+  return f'blk.{layer}.{names[module]}.{kind}'
 
-  def cast(x):
-    if dtype is None:
-      import ml_dtypes  # pylint: disable=import-outside-toplevel  # ships with jax
-      return x.astype(ml_dtypes.bfloat16)
-    return x.astype(dtype)
 
-  def get(name, shape):
-    x = file.tensor(name)
-    if x.shape != shape:
-      raise ValueError(f'{file.path!r}: tensor {name!r} has shape {x.shape}, the config expects'
-                       f' {shape}.')
+class _Decoded(abc.Mapping):
+  """HF tensor name -> the GGUF tensor converted from it, decoded back to HF's values and
+  layout (each when it is read, as `hf_llama.params_from_hf` converts them one by one)."""
+
+  def __init__(self, file: GGUFFile, config: llama.LlamaConfig, names: Mapping[str, str]):
+    self._file, self._config, self._names = file, config, names
+
+  def __getitem__(self, hf_name: str) -> np.ndarray:
+    name, c = self._names[hf_name], self._config
+    x = self._file.tensor(name)
+    if self._file.architecture == 'llama':  # rows interleaved per head by the converter
+      if name.endswith('attn_q.weight'):
+        x = unpermute_rows(x, c.num_heads)
+      elif name.endswith('attn_k.weight'):
+        x = unpermute_rows(x, c.num_kv_heads)
+    if c.norm_offset and name.endswith('norm.weight'):  # Gemma: the file holds offset + w
+      x = x - np.float32(c.norm_offset)
     return x
 
-  d, n, nkv, h, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
-  params: dict[str, Any] = {
-      'embedder': {'embedding': cast(get('token_embd.weight', (c.vocab_size, d)))},
-      'final_norm': {'scale': cast(get('output_norm.weight', (d,)))},
-  }
-  if not c.tie_embeddings:
-    params['lm_head'] = {'kernel': cast(get('output.weight', (c.vocab_size, d)).T)}
-  for i in range(c.num_layers):
-    p = f'blk.{i}.'
-    names = ['attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_norm', 'ffn_gate',
-             'ffn_up', 'ffn_down']
-    known.update(p + name + '.weight' for name in names)
-    for bias in ('attn_q', 'attn_k', 'attn_v', 'attn_output', 'ffn_gate', 'ffn_up', 'ffn_down'):
-      if p + bias + '.bias' in file.tensors:
-        raise ValueError(f'{file.path!r} has projection biases ({p}{bias}.bias); speclm\'s Llama'
-                         ' has none.')
-    q = unpermute_rows(get(p + 'attn_q.weight', (n * h, d)), n)
-    k = unpermute_rows(get(p + 'attn_k.weight', (nkv * h, d)), nkv)
-    v = get(p + 'attn_v.weight', (nkv * h, d))
-    o = get(p + 'attn_output.weight', (d, n * h))
-    params[f'layers_{i}'] = {
-        'pre_attention_norm': {'scale': cast(get(p + 'attn_norm.weight', (d,)))},
-        'attention': {
-            'query': {'kernel': cast(q.T.reshape(d, n, h))},
-            'key': {'kernel': cast(k.T.reshape(d, nkv, h))},
-            'value': {'kernel': cast(v.T.reshape(d, nkv, h))},
-            'out': {'kernel': cast(o.T.reshape(n, h, d))},
-        },
-        'pre_mlp_norm': {'scale': cast(get(p + 'ffn_norm.weight', (d,)))},
-        'mlp': {
-            'gate': {'kernel': cast(get(p + 'ffn_gate.weight', (f, d)).T)},
-            'up': {'kernel': cast(get(p + 'ffn_up.weight', (f, d)).T)},
-            'down': {'kernel': cast(get(p + 'ffn_down.weight', (d, f)).T)},
-        },
-    }
-  extra = sorted(set(file.tensors) - known - {'rope_freqs.weight'})
+  def __contains__(self, hf_name) -> bool:
+    return hf_name in self._names
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self) -> int:
+    return len(self._names)
+
+
+def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig) -> dict:
+  """All tensors of a GGUF file as our parameter tree (numpy arrays, `param_dtype`)."""
+  expected = {hf: (gguf_name(hf, config.family), shape)
+              for hf, _, shape in hf_llama.weight_names(config).values()}
+  for name, shape in expected.values():
+    if name not in file.tensors:
+      raise ValueError(f'{file.path!r} lacks the tensor {name!r}, which a {config.family} model'
+                       ' of this config needs.')
+    stored = tuple(int(n) for n in reversed(file.tensors[name].shape))
+    if stored != shape:
+      raise ValueError(f'{file.path!r}: tensor {name!r} has shape {stored}, the config expects'
+                       f' {shape}.')
+  extra = sorted(set(file.tensors) - {name for name, _ in expected.values()})
   if extra:
-    raise ValueError(f'{file.path!r} has tensors a Llama model does not use: {extra[:5]}'
-                     f'{" …" if len(extra) > 5 else ""}.')
-  return params
+    raise ValueError(f'{file.path!r} has tensors a {config.family} model does not use:'
+                     f' {extra[:5]}{" …" if len(extra) > 5 else ""}.')
+  names = {hf: name for hf, (name, _) in expected.items()}
+  return hf_llama.params_from_hf(_Decoded(file, config, names), config)
 
 
 def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') -> protocol.Model:
-  """Reads a Llama-family GGUF file into a `speclm.protocol.Model` (a `llama.Llama`).
+  """Reads a GGUF file of any supported architecture into a `speclm.protocol.Model` (a
+  `llama.Llama` with the family's switches).
 
   Args:
     source: the `.gguf` file, or a `GGUFFile` already opened (opening parses every metadata
@@ -325,26 +433,41 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
 def load_tokenizer(source: str | os.PathLike | GGUFFile) -> tokenizer.Tokenizer:
   """The tokenizer a GGUF file carries in its metadata, as a `speclm.tokenizer.Tokenizer`.
 
-  Byte-level BPE ("gpt2") vocabularies only: vocabulary, merges, token types (control and
-  user-defined tokens are matched whole), the pre-tokenizer name, special ids, `add_bos_token`
-  and the chat template. `source` is the `.gguf` file or a `GGUFFile` already opened.
+  Byte-level BPE ('gpt2': Llama 3, Qwen, SmolLM2, …): vocabulary, merges, token types
+  (control and user-defined tokens are matched whole) and the pre-tokenizer name (one
+  `tokenizer.byte_level_bpe` knows; others are a ValueError). SentencePiece BPE ('llama':
+  Gemma, Llama 2, Mistral v1): pieces, scores, types and `add_space_prefix`
+  (`tokenizer.sentencepiece_bpe`). Both: special ids, `add_bos_token` and the chat template.
+  `source` is the `.gguf` file or a `GGUFFile` already opened.
   """
   file = source if isinstance(source, GGUFFile) else open_gguf(source)
   md = file.metadata
   model = md.get('tokenizer.ggml.model')
   if model is None:
     raise ValueError(f'{file.path!r} carries no tokenizer (no tokenizer.ggml.model key).')
-  if model != 'gpt2':
-    raise ValueError(f'{file.path!r} has a {model!r} tokenizer; speclm builds byte-level BPE'
-                     ' ("gpt2") tokenizers from GGUF. Load the model\'s tokenizer.json instead'
-                     ' (Tokenizer.from_tokenizer_json).')
   tokens = file.array('tokenizer.ggml.tokens')
-  merges = file.array('tokenizer.ggml.merges') or []
   types = file.array('tokenizer.ggml.token_type') or [_NORMAL] * len(tokens)
-  added = [(token, kind == _CONTROL) for token, kind in zip(tokens, types)
-           if kind in (_CONTROL, _USER_DEFINED)]
-  backend = tokenizer.byte_level_bpe(tokens, merges, md.get('tokenizer.ggml.pre', 'default'),
-                                     added_tokens=added, source=file.path)
+  space_prefix = False
+  if model == 'gpt2':
+    merges = file.array('tokenizer.ggml.merges') or []
+    added = [(token, kind == _CONTROL) for token, kind in zip(tokens, types)
+             if kind in (_CONTROL, _USER_DEFINED)]
+    backend = tokenizer.byte_level_bpe(tokens, merges, md.get('tokenizer.ggml.pre', 'default'),
+                                       added_tokens=added, source=file.path)
+  elif model == 'llama':
+    space_prefix = bool(md.get('tokenizer.ggml.add_space_prefix', True))
+    scores = file.array('tokenizer.ggml.scores')
+    if scores is None:
+      raise ValueError(f'{file.path!r}: a SentencePiece vocabulary without piece scores'
+                       ' (tokenizer.ggml.scores).')
+    backend = tokenizer.sentencepiece_bpe(
+        tokens, scores, types, source=file.path, add_space_prefix=space_prefix)
+  else:
+    raise ValueError(f'{file.path!r} has a {model!r} tokenizer; speclm builds byte-level BPE'
+                     ' ("gpt2") and SentencePiece BPE ("llama") tokenizers from GGUF metadata.'
+                     ' Load the tokenizer of the model\'s Hugging Face repository instead: its'
+                     ' tokenizer.json (Tokenizer.from_pretrained_dir also reads the chat'
+                     ' template).')
 
   def special(key):
     value = md.get(f'tokenizer.ggml.{key}_token_id')
@@ -353,7 +476,8 @@ def load_tokenizer(source: str | os.PathLike | GGUFFile) -> tokenizer.Tokenizer:
   return tokenizer.Tokenizer(
       backend, bos_id=special('bos'), eos_id=special('eos'), pad_id=special('padding'),
       add_bos=bool(md.get('tokenizer.ggml.add_bos_token', False)),
-      chat_template=md.get('tokenizer.chat_template'))
+      chat_template=md.get('tokenizer.chat_template'), space_prefix=space_prefix,
+      end_ids=[i for i in (special('eot'), special('eom')) if i is not None])
 
 
 def _to_jax(tree, jnp):

@@ -131,9 +131,10 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
 
 def _hf_readers(config, files: safetensors_io.Tensors
                 ) -> dict[str, tuple[tuple[int, ...], Callable[[Index], np.ndarray]]]:
-  """Our parameter name -> (shape, read(index)) over HF's `[out, in]` tensors."""
-  c = config
-  d, n, nkv, h, f = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
+  """Our parameter name -> (shape, read(index)) over HF's `[out, in]` tensors, for every
+  family `hf_llama.weight_names` maps."""
+  from speclm.checkpoints import hf_llama  # pylint: disable=g-import-not-at-top
+  h = config.head_dim
 
   def region(name, shape, index):
     """The region `index` of HF tensor `name` (checked to have `shape`): only its bytes."""
@@ -150,44 +151,39 @@ def _hf_readers(config, files: safetensors_io.Tensors
   def transposed(name, shape):  # ours [in, out] = HF [out, in].T
     return shape[::-1], lambda index: region(name, shape, index[::-1]).T
 
-  def heads_in(name, heads):  # ours [D, heads, H] from HF [heads*H, D]
+  def heads_in(name, shape):  # ours [D, heads, H] from HF [heads*H, D]
+    heads, d = shape[0] // h, shape[1]
     def read(index):
       sd, sn, sh = index
-      rows = region(name, (heads * h, d), (slice(sn.start * h, sn.stop * h), sd))  # [n*H, d]
+      rows = region(name, shape, (slice(sn.start * h, sn.stop * h), sd))  # [n*H, d]
       return rows.reshape(sn.stop - sn.start, h, -1)[:, sh, :].transpose(2, 0, 1)
     return (d, heads, h), read
 
-  def heads_out(name):  # ours [N, H, D] from HF [D, N*H]
+  def heads_out(name, shape):  # ours [N, H, D] from HF [D, N*H]
+    d, n = shape[0], shape[1] // h
     def read(index):
       sn, sh, sd = index
-      cols = region(name, (d, n * h), (sd, slice(sn.start * h, sn.stop * h)))  # [d, n*H]
+      cols = region(name, shape, (sd, slice(sn.start * h, sn.stop * h)))  # [d, n*H]
       return cols.reshape(-1, sn.stop - sn.start, h)[:, :, sh].transpose(1, 2, 0)
     return (n, h, d), read
 
-  readers = {'embedder/embedding': same('model.embed_tokens.weight', (c.vocab_size, d)),
-             'final_norm/scale': same('model.norm.weight', (d,))}
-  if not c.tie_embeddings:
-    readers['lm_head/kernel'] = transposed('lm_head.weight', (c.vocab_size, d))
-  for i in range(c.num_layers):
-    p, q = f'model.layers.{i}.', f'layers_{i}/'
-    readers.update({
-        q + 'pre_attention_norm/scale': same(p + 'input_layernorm.weight', (d,)),
-        q + 'attention/query/kernel': heads_in(p + 'self_attn.q_proj.weight', n),
-        q + 'attention/key/kernel': heads_in(p + 'self_attn.k_proj.weight', nkv),
-        q + 'attention/value/kernel': heads_in(p + 'self_attn.v_proj.weight', nkv),
-        q + 'attention/out/kernel': heads_out(p + 'self_attn.o_proj.weight'),
-        q + 'pre_mlp_norm/scale': same(p + 'post_attention_layernorm.weight', (d,)),
-        q + 'mlp/gate/kernel': transposed(p + 'mlp.gate_proj.weight', (f, d)),
-        q + 'mlp/up/kernel': transposed(p + 'mlp.up_proj.weight', (f, d)),
-        q + 'mlp/down/kernel': transposed(p + 'mlp.down_proj.weight', (d, f)),
-    })
-  return readers
+  def heads_bias(name, shape):  # ours [heads, H] from HF [heads*H]
+    def read(index):
+      sn, sh = index
+      return region(name, shape, (slice(sn.start * h, sn.stop * h),)).reshape(-1, h)[:, sh]
+    return (shape[0] // h, h), read
+
+  layouts = {'same': same, 'transposed': transposed, 'heads_in': heads_in,
+             'heads_out': heads_out, 'heads_bias': heads_bias}
+  names = hf_llama.weight_names(config, hf_llama.decoder_prefix(files))
+  return {ours: layouts[layout](theirs, shape) for ours, (theirs, layout, shape) in names.items()}
 
 
 def load_hf_llama_sharded(directory: str | os.PathLike, partitioner, role: str = 'target',
                           dtype: str = 'float32', read_log: list | None = None
                           ) -> protocol.Model:
-  """A Hugging Face Llama directory as a `Model` whose parameters are read shard by shard."""
+  """A Hugging Face directory of any `hf_llama` family as a `Model` whose parameters are read
+  shard by shard."""
   from speclm.checkpoints import hf_llama  # pylint: disable=g-import-not-at-top
   from speclm.models import llama  # pylint: disable=g-import-not-at-top
   directory = os.fspath(directory)

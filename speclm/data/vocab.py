@@ -39,11 +39,15 @@ class Vocabulary(abc.ABC):
   def decode(self, ids: Sequence[int]) -> str:
     """The text of `ids`, cut at the first end token; padding and unknown ids are dropped."""
 
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    """Every id that ends a generation: `eos_id`, and a chat model's others (end of turn)."""
+    return () if self.eos_id is None else (self.eos_id,)
+
   def _until_eos(self, ids: Sequence[int]) -> list[int]:
     ids = [int(i) for i in ids]
-    if self.eos_id is not None and self.eos_id in ids:
-      ids = ids[:ids.index(self.eos_id)]
-    return ids
+    ends = [k for k, i in enumerate(ids) if i in self.end_ids]
+    return ids[:ends[0]] if ends else ids
 
 
 class ByteVocabulary(Vocabulary):
@@ -78,12 +82,17 @@ class FunctionVocabulary(Vocabulary):
 
   def __init__(self, encode_fn: Callable[[str], Sequence[int]],
                decode_fn: Callable[[Sequence[int]], str], vocab_size: int, *,
-               eos_id: int | None = None, pad_id: int = 0):
+               eos_id: int | None = None, pad_id: int = 0, end_ids: Sequence[int] = ()):
     self._encode_fn = encode_fn
     self._decode_fn = decode_fn
     self.vocab_size = int(vocab_size)
     self.eos_id = eos_id
     self.pad_id = pad_id
+    self._end_ids = tuple(int(i) for i in end_ids)
+
+  @property
+  def end_ids(self) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(super().end_ids + self._end_ids))
 
   def encode(self, text: str) -> list[int]:
     return [int(i) for i in self._encode_fn(text)]

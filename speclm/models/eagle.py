@@ -144,9 +144,11 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
 def draft_config(target_config: llama.LlamaConfig, num_layers: int, head_size: int,
                  dtype: str = 'float32') -> llama.LlamaConfig:
-  """The draft's layers: the target's width, heads and MLP; `num_layers` of them."""
+  """The draft's layers: the target's width, heads, MLP and family switches; `num_layers` of
+  them, attending globally (no sliding window: a draft's q may be any distribution)."""
   return dataclasses.replace(target_config, vocab_size=head_size, num_layers=num_layers,
-                             tie_embeddings=True, param_dtype=dtype, dtype=dtype)
+                             tie_embeddings=True, param_dtype=dtype, dtype=dtype,
+                             sliding_window=None, layer_types=None)
 
 
 def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,

@@ -20,17 +20,22 @@ def dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
 
 
 class RMSNorm(nn.Module):
-  """Root-mean-square layer norm: a learned scale, no bias or mean subtraction, in float32."""
+  """Root-mean-square layer norm: a learned scale, no bias or mean subtraction, in float32.
+
+  The normalized vector is multiplied by `offset + scale`: offset 0 for most models, 1 for
+  Gemma, which stores its scales around zero."""
 
   eps: float
   param_dtype: Any
+  offset: float = 0.0
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    scale = self.param('scale', init, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    return (normed * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 
 def tree_visibility(lengths: jax.Array, capacity: int, ancestors: jax.Array) -> jax.Array:
@@ -45,6 +50,18 @@ def tree_visibility(lengths: jax.Array, capacity: int, ancestors: jax.Array) -> 
   node = jnp.broadcast_to(jnp.clip(offset, 0, num_nodes - 1), (batch, num_nodes, capacity))
   is_ancestor = jnp.take_along_axis(ancestors, node, axis=2)
   return (offset < 0) | ((offset < num_nodes) & is_ancestor)
+
+
+def tree_key_positions(lengths: jax.Array, capacity: int, depths: jax.Array) -> jax.Array:
+  """`[B, L]` the position of the token in each cache slot while K tree nodes sit after the
+  row's committed prefix: slot l < lengths[b] holds position l, node k's slot lengths[b] + k
+  holds position lengths[b] + depths[b, k] (for masks that compare positions: sliding
+  windows). Slots past the nodes are never visible; they get their own index."""
+  slots = jnp.arange(capacity)[None, :]
+  offset = slots - lengths[:, None]
+  node = jnp.clip(offset, 0, depths.shape[1] - 1)
+  in_tree = (offset >= 0) & (offset < depths.shape[1])
+  return jnp.where(in_tree, lengths[:, None] + jnp.take_along_axis(depths, node, axis=1), slots)
 
 
 def keep_path(entries: jax.Array, start: jax.Array, path: jax.Array, *, batch_axis: int,

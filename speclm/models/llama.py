@@ -1,18 +1,39 @@
 """Decoder-only Transformers of the Llama family, implementing `speclm.protocol.LanguageModel`.
 
 RMSNorm, rotary position embeddings (RoPE, in the "rotate half" layout Hugging Face uses),
-grouped-query attention, a SwiGLU MLP, tied or untied output embeddings. The key/value cache
+grouped-query attention, a gated MLP, tied or untied output embeddings. The key/value cache
 is a pytree argument and return value; `extend` appends K tokens at each row's own position,
 so one call both decodes (K = 1) and verifies γ drafted tokens (K = γ+1).
+
+The other open families are this network with a few switches in `LlamaConfig` (one module,
+not a copy per family; `FAMILIES` names them and `family_config` fills the switches):
+
+  family    what differs from Llama
+  mistral   sliding-window attention (`sliding_window`) on every layer
+  qwen2     biases on the query/key/value projections (`qkv_bias`)
+  qwen3     RMSNorm over each query and key head before RoPE (`qk_norm`), explicit head_dim
+  gemma2    embeddings scaled by √D, norms scaling by (1 + w), a norm after attention and after
+            the MLP as well (`post_norms`), GeGLU (`activation='gelu_tanh'`), scores scaled by
+            `query_pre_attn_scalar`^-½ and soft-capped, soft-capped logits, sliding-window
+            layers alternating with global ones (`layer_types`)
+  gemma3    Gemma 2 without soft-capping, plus q/k norms, and a RoPE base of its own for the
+            sliding-window layers (`local_rope_theta`, 5 local layers per global one)
+
+A sliding window is a mask: query position t sees key positions > t − window (Hugging Face's
+rule); the cache keeps every position, so memory is as for global attention.
 
 Parameter tree (kernels are `[in, out]`; attention kernels keep a heads axis):
   embedder/embedding                     [V, D]
   layers_{i}/pre_attention_norm/scale    [D]
-  layers_{i}/attention/query/kernel      [D, N, H]
-  layers_{i}/attention/key/kernel        [D, Nkv, H]
-  layers_{i}/attention/value/kernel      [D, Nkv, H]
+  layers_{i}/attention/query/kernel      [D, N, H]    (…/query/bias [N, H] with qkv_bias)
+  layers_{i}/attention/key/kernel        [D, Nkv, H]  (…/key/bias [Nkv, H])
+  layers_{i}/attention/value/kernel      [D, Nkv, H]  (…/value/bias [Nkv, H])
+  layers_{i}/attention/query_norm/scale  [H]          (qk_norm only)
+  layers_{i}/attention/key_norm/scale    [H]          (qk_norm only)
   layers_{i}/attention/out/kernel        [N, H, D]
+  layers_{i}/post_attention_norm/scale   [D]          (post_norms only)
   layers_{i}/pre_mlp_norm/scale          [D]
+  layers_{i}/post_mlp_norm/scale         [D]          (post_norms only)
   layers_{i}/mlp/gate/kernel             [D, F]
   layers_{i}/mlp/up/kernel               [D, F]
   layers_{i}/mlp/down/kernel             [F, D]
@@ -71,8 +92,40 @@ class LlamaConfig:
   # The longest sequence (prompt + generated tokens) the model was trained for: GGUF's
   # `{arch}.context_length`, Hugging Face's `max_position_embeddings`. None = unknown/unlimited.
   max_position_embeddings: int | None = None
+  # The switches of the other families (module docstring); the defaults are Llama.
+  family: str = 'llama'  # a label: which Hugging Face class `to_transformers` builds
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  post_norms: bool = False
+  norm_offset: float = 0.0  # norms scale by (offset + w): Gemma stores w around 0
+  activation: str = 'silu'  # of the gate: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU)
+  scale_embeddings: bool = False  # embeddings multiplied by √D (Gemma)
+  query_pre_attn_scalar: float | None = None  # scores scaled by its ^-½; None: head_dim
+  attn_logit_softcap: float | None = None  # scores -> cap·tanh(scores / cap)
+  final_logit_softcap: float | None = None  # logits -> cap·tanh(logits / cap)
+  sliding_window: int | None = None
+  # 'full' or 'sliding' per layer; None: every layer sliding if sliding_window is set, else full.
+  layer_types: tuple[str, ...] | None = None
+  local_rope_theta: float | None = None  # RoPE base of the sliding layers (unscaled); None: shared
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f'Unknown model family {self.family!r}; speclm supports'
+                       f' {", ".join(FAMILIES)}.')
+    if self.activation not in _ACTIVATIONS:
+      raise ValueError(f'Unknown activation {self.activation!r}; expected one of'
+                       f' {", ".join(_ACTIVATIONS)}.')
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers:
+        raise ValueError(f'layer_types names {len(self.layer_types)} layers, the model has'
+                         f' {self.num_layers}.')
+      if set(self.layer_types) - {'full', 'sliding'}:
+        raise ValueError(f"layer_types entries must be 'full' or 'sliding', got"
+                         f' {sorted(set(self.layer_types))}.')
+      if 'sliding' in self.layer_types and not self.sliding_window:
+        raise ValueError('layer_types has sliding layers but sliding_window is not set.')
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f'sliding_window must be positive or None, got {self.sliding_window}.')
     if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
       raise ValueError('max_position_embeddings must be positive or None, got'
                        f' {self.max_position_embeddings}.')
@@ -81,6 +134,42 @@ class LlamaConfig:
                        f' ({self.num_kv_heads}).')
     if self.head_dim % 2:
       raise ValueError(f'head_dim must be even for RoPE, got {self.head_dim}.')
+
+
+  def is_sliding(self, layer: int) -> bool:
+    """Whether decoder layer `layer` attends through the sliding window."""
+    if self.sliding_window is None:
+      return False
+    return self.layer_types is None or self.layer_types[layer] == 'sliding'
+
+
+FAMILIES = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3')
+_ACTIVATIONS = ('silu', 'gelu_tanh')
+
+
+def family_config(family: str, **fields) -> LlamaConfig:
+  """A `LlamaConfig` with `family`'s switches set (module docstring); `fields` give the sizes
+  and may override any switch. Gemma 2's layers alternate sliding/global starting with a
+  sliding one, Gemma 3's have 5 sliding layers before each global one (Hugging Face's rule)."""
+  switches: dict[str, Any] = {}
+  num_layers = fields.get('num_layers')
+  if family == 'qwen2':
+    switches = dict(qkv_bias=True)
+  elif family == 'qwen3':
+    switches = dict(qk_norm=True)
+  elif family in ('gemma2', 'gemma3'):
+    switches = dict(post_norms=True, norm_offset=1.0, activation='gelu_tanh',
+                    scale_embeddings=True, tie_embeddings=True)
+    every = 2 if family == 'gemma2' else 6
+    if num_layers is not None and fields.get('sliding_window'):
+      switches['layer_types'] = tuple('full' if (i + 1) % every == 0 else 'sliding'
+                                      for i in range(num_layers))
+    if family == 'gemma3':
+      switches.update(qk_norm=True, local_rope_theta=10_000.0)
+  elif family not in FAMILIES:
+    raise ValueError(f'Unknown model family {family!r}; speclm supports {", ".join(FAMILIES)}.')
+  switches.update(fields)
+  return LlamaConfig(family=family, **switches)
 
 
 @struct.dataclass
@@ -100,11 +189,15 @@ class KVCache:
     return self.keys.shape[3]
 
 
-def rope_frequencies(config: LlamaConfig) -> np.ndarray:
-  """Inverse frequencies `[H/2]` of the rotary embedding, with optional scaling."""
+def rope_frequencies(config: LlamaConfig, layer: int | None = None) -> np.ndarray:
+  """Inverse frequencies `[H/2]` of the rotary embedding of decoder layer `layer`, with
+  optional scaling (sliding layers of a model with `local_rope_theta` use that base, unscaled)."""
+  theta, scaling = config.rope_theta, config.rope_scaling
+  if (layer is not None and config.local_rope_theta is not None
+      and config.is_sliding(layer)):
+    theta, scaling = config.local_rope_theta, None
   exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** exponents)
-  scaling = config.rope_scaling
+  inv_freq = 1.0 / (theta ** exponents)
   if scaling is None:
     return inv_freq.astype(np.float32)
   if scaling.kind == 'linear':
@@ -135,7 +228,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 class Kernel(nn.Module):
-  """A bias-free projection whose kernel has the given shape; `spec` is its einsum."""
+  """A projection whose kernel has the given shape; `spec` is its einsum. With `use_bias`
+  a bias over the output dims is added (Qwen2's query/key/value)."""
 
   shape: tuple[int, ...]
   spec: str
@@ -143,9 +237,18 @@ class Kernel(nn.Module):
   param_dtype: Any
   dtype: Any
   merge_input_dims: int = 1  # leading kernel dims multiplied as one (x flattened to match)
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x):
+    out = self._product(x)
+    if self.use_bias:
+      bias = self.param('bias', nn.initializers.zeros, self.shape[self.merge_input_dims:],
+                        self.param_dtype)
+      out = (out.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+    return out
+
+  def _product(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
     if self.has_variable('params', 'packed') and _kernel_serves(x, self.merge_input_dims):
       return self._packed_product(x)
@@ -175,20 +278,31 @@ def _kernel_serves(x, input_dims: int) -> bool:
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
 
 
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap·tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 class Attention(nn.Module):
   config: LlamaConfig
+  layer: int = 0  # which decoder layer: its RoPE base and whether its window slides
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths, visible=None):
+  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None):
     """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x;
-    `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain)."""
+    `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain);
+    `key_positions` `[B, L]` the position held in each slot (None: the slot's index)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
-    q = Kernel((d, n, h), 'BKD,DNH->BKNH', d, pd, dt, name='query')(x)
-    k = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, name='key')(x)
-    v = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, name='value')(x)
-    inv_freq = rope_frequencies(c)
+    bias = c.qkv_bias
+    q = Kernel((d, n, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='query')(x)
+    k = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='key')(x)
+    v = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='value')(x)
+    if c.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalized before RoPE
+      q = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='query_norm')(q)
+      k = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='key_norm')(k)
+    inv_freq = rope_frequencies(c, self.layer)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
 
@@ -199,14 +313,19 @@ class Attention(nn.Module):
     keys = write(keys, jnp.swapaxes(k, 1, 2), lengths)  # new entries as [B, Nkv, K, H]
     values = write(values, jnp.swapaxes(v, 1, 2), lengths)
 
+    if key_positions is None:
+      key_positions = jnp.arange(keys.shape[2])[None, :]  # [1, L]: a chain, slot = position
     if visible is None:
       # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
-      cache_positions = jnp.arange(keys.shape[2])
-      visible = cache_positions[None, None, :] <= positions[:, :, None]  # [B, K, L]
+      visible = key_positions[:, None, :] <= positions[:, :, None]  # [B, K, L]
+    if c.is_sliding(self.layer):  # and only the last `sliding_window` positions, itself included
+      visible = visible & (key_positions[:, None, :] > positions[:, :, None] - c.sliding_window)
     groups = n // nkv
     q = q.reshape(q.shape[0], q.shape[1], nkv, groups, h)
+    scale = (c.query_pre_attn_scalar or h) ** -0.5
     scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
+                        preferred_element_type=jnp.float32) * scale
+    scores = softcap(scores, c.attn_logit_softcap)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
@@ -225,23 +344,30 @@ class MLP(nn.Module):
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     gate = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='gate')(x)
     up = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='up')(x)
-    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt)
+    gate = gate.astype(jnp.float32)
+    activated = jax.nn.silu(gate) if c.activation == 'silu' else jax.nn.gelu(gate, approximate=True)
+    hidden = (activated * up.astype(jnp.float32)).astype(dt)
     return Kernel((c.mlp_dim, c.embed_dim), 'BKF,FD->BKD', c.mlp_dim, pd, dt, name='down')(hidden)
 
 
 class DecoderLayer(nn.Module):
   config: LlamaConfig
+  layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths, visible=None):
+  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None):
     c = self.config
-    pd = jnp.dtype(c.param_dtype)
-    normed = layers.RMSNorm(c.norm_eps, pd, name='pre_attention_norm')(x)
-    attn_out, keys, values = Attention(c, name='attention')(normed, positions, keys, values,
-                                                            lengths, visible)
+    norm = lambda name: layers.RMSNorm(c.norm_eps, jnp.dtype(c.param_dtype), c.norm_offset,
+                                       name=name)
+    attn_out, keys, values = Attention(c, self.layer, name='attention')(
+        norm('pre_attention_norm')(x), positions, keys, values, lengths, visible, key_positions)
+    if c.post_norms:  # Gemma: each block's output normalized before the residual sum
+      attn_out = norm('post_attention_norm')(attn_out)
     x = x + attn_out
-    x = x + MLP(c, name='mlp')(layers.RMSNorm(c.norm_eps, pd, name='pre_mlp_norm')(x))
-    return x, keys, values
+    mlp_out = MLP(c, name='mlp')(norm('pre_mlp_norm')(x))
+    if c.post_norms:
+      mlp_out = norm('post_mlp_norm')(mlp_out)
+    return x + mlp_out, keys, values
 
 
 class LlamaModule(nn.Module):
@@ -254,8 +380,8 @@ class LlamaModule(nn.Module):
     pd = jnp.dtype(c.param_dtype)
     self.embedder = nn.Embed(c.vocab_size, c.embed_dim, param_dtype=pd,
                              embedding_init=nn.initializers.normal(stddev=1.0 / math.sqrt(c.embed_dim)))
-    self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]  # named layers_0, layers_1, …
-    self.final_norm = layers.RMSNorm(c.norm_eps, pd)
+    self.layers = [DecoderLayer(c, i) for i in range(c.num_layers)]  # layers_0, layers_1, …
+    self.final_norm = layers.RMSNorm(c.norm_eps, pd, c.norm_offset)
     if not c.tie_embeddings:
       self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
                             jnp.float32)
@@ -268,14 +394,18 @@ class LlamaModule(nn.Module):
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-      visible = None
+      visible = key_positions = None
     else:
       positions = cache.lengths[:, None] + tree.depths
       visible = layers.tree_visibility(cache.lengths, cache.capacity, tree.ancestors)
+      key_positions = layers.tree_key_positions(cache.lengths, cache.capacity, tree.depths)
     x = self.embedder(tokens).astype(dt)
+    if self.config.scale_embeddings:  # Gemma: by √D, rounded to the activations' dtype first
+      x = x * jnp.asarray(math.sqrt(self.config.embed_dim), dt)
     new_keys, new_values = [], []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible)
+      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible,
+                      key_positions)
       new_keys.append(k)
       new_values.append(v)
     x = self.final_norm(x)
@@ -292,9 +422,11 @@ class LlamaModule(nn.Module):
     """hidden `[B, K, D]` -> float32 logits `[B, K, V]`."""
     if self.config.tie_embeddings:
       table = self.embedder.embedding
-      return jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
-    return self.lm_head(hidden)
+      logits = jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = self.lm_head(hidden)
+    return softcap(logits.astype(jnp.float32), self.config.final_logit_softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,16 +510,23 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
   def param_logical_axes(self) -> dict:
     """Logical axis names of every parameter (a tree like the params, tuples as leaves), for
     `speclm.partitioning`. Key/value heads share the 'heads' name with query heads."""
+    c = self.config
+    projection = {'kernel': ('embed', 'heads', 'kv')}
+    if c.qkv_bias:
+      projection['bias'] = ('heads', 'kv')
+    attention = {'query': projection, 'key': projection, 'value': projection,
+                 'out': {'kernel': ('heads', 'kv', 'embed')}}
+    if c.qk_norm:
+      attention.update(query_norm={'scale': ('kv',)}, key_norm={'scale': ('kv',)})
     layer = {
         'pre_attention_norm': {'scale': ('embed',)},
-        'attention': {'query': {'kernel': ('embed', 'heads', 'kv')},
-                      'key': {'kernel': ('embed', 'heads', 'kv')},
-                      'value': {'kernel': ('embed', 'heads', 'kv')},
-                      'out': {'kernel': ('heads', 'kv', 'embed')}},
+        'attention': attention,
         'pre_mlp_norm': {'scale': ('embed',)},
         'mlp': {'gate': {'kernel': ('embed', 'mlp')}, 'up': {'kernel': ('embed', 'mlp')},
                 'down': {'kernel': ('mlp', 'embed')}},
     }
+    if c.post_norms:
+      layer.update(post_attention_norm={'scale': ('embed',)}, post_mlp_norm={'scale': ('embed',)})
     axes = {'embedder': {'embedding': ('vocab', 'embed')}, 'final_norm': {'scale': ('embed',)}}
     axes.update({f'layers_{i}': layer for i in range(self.config.num_layers)})
     if not self.config.tie_embeddings:
@@ -476,12 +615,15 @@ def pack_tree_for_cpu(tree, rounded: tuple[str, ...] = ()):
 def random_model(vocab_size: int = 64, embed_dim: int = 32, num_layers: int = 2, seed: int = 0,
                  *, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                  mlp_dim: int | None = None, dtype: str = 'float32',
-                 tie_embeddings: bool = True) -> protocol.Model:
-  """A small Llama with random weights, for tests and examples, in one call."""
-  config = LlamaConfig(
-      vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim, num_heads=num_heads,
-      num_kv_heads=num_kv_heads, head_dim=head_dim or max(2, embed_dim // num_heads),
-      mlp_dim=mlp_dim or 2 * embed_dim, tie_embeddings=tie_embeddings, param_dtype=dtype,
-      dtype=dtype)
+                 tie_embeddings: bool = True, family: str = 'llama',
+                 **switches) -> protocol.Model:
+  """A small model of `family` (default Llama) with random weights, for tests and examples,
+  in one call; `switches` set any other `LlamaConfig` field (e.g. sliding_window=8). Norm
+  scales start at their identity (1, or 0 with Gemma's offset) and biases at zero."""
+  config = family_config(
+      family, vocab_size=vocab_size, num_layers=num_layers, embed_dim=embed_dim,
+      num_heads=num_heads, num_kv_heads=num_kv_heads,
+      head_dim=head_dim or max(2, embed_dim // num_heads), mlp_dim=mlp_dim or 2 * embed_dim,
+      tie_embeddings=tie_embeddings, param_dtype=dtype, dtype=dtype, **switches)
   definition = Llama(config)
   return protocol.Model(definition, jax.jit(definition.init_params)(jax.random.key(seed)))

@@ -96,3 +96,54 @@ def wrap(inner: protocol.Model, token_ids, full_vocab_size: int) -> protocol.Mod
   params = {'inner': inner.params, **jax.tree_util.tree_map(
       jnp.asarray, subset_maps(token_ids, full_vocab_size))}
   return protocol.Model(SubsetVocabModel(inner.definition, full_vocab_size), params)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizedVocabModel(protocol.WrappedLanguageModel):
+  """`inner` seen with another vocabulary size, for a draft whose tokenizer is the target's
+  but whose embedding table is padded to another length (Qwen2.5-0.5B has 151,936 rows,
+  Qwen2.5-7B 152,064, over the same 151,665 tokens). Ids the inner model lacks enter it as its
+  last id and get logit −inf (q̃ = 0); logits past `vocab_size` are dropped. Exact for any
+  inner model (§3.6: any q works); its parameters are the inner model's."""
+
+  inner: protocol.LanguageModel
+  resized_vocab_size: int
+
+  @property
+  def vocab_size(self) -> int:  # type: ignore[override]
+    return self.resized_vocab_size
+
+  def _to_inner(self, tokens):
+    return jnp.minimum(tokens, self.inner.vocab_size - 1)
+
+  def _resize(self, logits):
+    extra = self.resized_vocab_size - logits.shape[-1]
+    if extra <= 0:
+      return logits[..., :self.resized_vocab_size]
+    pad = jnp.full(logits.shape[:-1] + (extra,), -jnp.inf, logits.dtype)
+    return jnp.concatenate([logits, pad], axis=-1)
+
+  def init_cache(self, batch_size, max_length):
+    return self.inner.init_cache(batch_size, max_length)
+
+  def prefill(self, params, inputs, input_lengths, cache):
+    logits, cache = self.inner.prefill(params, self._to_inner(inputs), input_lengths, cache)
+    return self._resize(logits), cache
+
+  def extend(self, params, tokens, cache):
+    logits, cache = self.inner.extend(params, self._to_inner(tokens), cache)
+    return self._resize(logits), cache
+
+  def extend_tree(self, params, tokens, tree, cache):
+    logits, cache = self.inner.extend_tree(params, self._to_inner(tokens), tree, cache)
+    return self._resize(logits), cache
+
+  def last_prefix_token(self, inputs, input_lengths):
+    return self.inner.last_prefix_token(inputs, input_lengths)
+
+
+def resize_vocabulary(model: protocol.Model, vocab_size: int) -> protocol.Model:
+  """`model` as a `ResizedVocabModel` of `vocab_size` ids (itself when the sizes agree)."""
+  if model.vocab_size == vocab_size:
+    return model
+  return protocol.Model(ResizedVocabModel(model.definition, vocab_size), model.params)

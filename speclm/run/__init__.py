@@ -18,11 +18,13 @@ says whether the outputs are identical, which greedy decoding guarantees).
 
 Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`):
   model provider       -> `speclm.protocol.Model`  (`random_llama`, `t5_checkpoint_model`,
+                          `checkpoint_llm` (any Hugging Face or GGUF decoder-only checkpoint),
                           `smollm2_model`, `ngram_draft`, `prompt_lookup_draft`,
                           `checkpoint_model`, or any function you register with gin)
   vocabulary provider  -> `speclm.data.Vocabulary` (`ByteVocabulary`, `SentencePieceVocabulary`,
                           `FunctionVocabulary`), or any tokenizer with encode/decode/vocab_size
-                          (`smollm2_tokenizer`)
+                          (`smollm2_tokenizer`, `checkpoint_tokenizer`,
+                          `checkpoint_chat_vocabulary`)
   dataset provider     -> list of `speclm.data.Example` (`file_dataset`, `synthetic_dataset`,
                           `seqio_dataset`)
 

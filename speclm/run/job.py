@@ -67,7 +67,7 @@ def _decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft
   results, times, compile_s = {}, {}, 0.0
   for method in methods:
     decode = functools.partial(_decode, method, target, draft, batch,
-                               eos_id=vocabulary.eos_id, pad_id=vocabulary.pad_id,
+                               eos_id=list(vocabulary.end_ids) or None, pad_id=vocabulary.pad_id,
                                **decode_kwargs)
     key = (method, batch.tokens.shape)
     if exclude_compile_time and key not in warmed:  # compile (and warm up) untimed

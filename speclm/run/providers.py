@@ -5,9 +5,10 @@ A *provider* is a zero-argument callable that gin passes uncalled (`TARGET = @ta
 job loads things in a fixed order and turns a user's mistake into one clear line (`provide`).
 
   models        random_llama, t5_checkpoint_model, smollm2_model, smollm2_draft_model,
-                ngram_draft, prompt_lookup_draft, checkpoint_model (path + any loader)
+                ngram_draft, prompt_lookup_draft, checkpoint_llm (any decoder-only checkpoint:
+                HF directory or GGUF file), checkpoint_model (path + any loader)
   vocabularies  ByteVocabulary, SentencePieceVocabulary, FunctionVocabulary, smollm2_tokenizer,
-                smollm2_chat_vocabulary
+                smollm2_chat_vocabulary, checkpoint_tokenizer, checkpoint_chat_vocabulary
   datasets      file_dataset (`speclm.data.inputs.read_examples`), synthetic_dataset,
                 seqio_dataset, builtin_prompts_dataset
   settings      sampling_config, gamma_for_temperature, token_tree, dynamic_tree,
@@ -28,6 +29,7 @@ import jax
 from speclm import partitioning
 from speclm import protocol
 from speclm import sampling as sampling_lib
+from speclm import text
 from speclm import token_trees
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks
@@ -35,6 +37,7 @@ from speclm.data import vocab as vocab_lib
 from speclm.models import llama
 from speclm.models import t5
 from speclm.run import errors
+from speclm.run import gin_cli
 from speclm.run.errors import JobError
 
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +181,64 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
 
 
 @gin.configurable
+def checkpoint_llm(path: str = gin.REQUIRED, dtype: str = 'float32', cpu_kernels: bool = False,
+                   draft_for: str | None = None) -> protocol.Model:
+  """Any decoder-only checkpoint speclm reads (`speclm.checkpoints.llm.load_llm`): a Hugging
+  Face directory (Llama, Mistral, Qwen2/2.5/3, Gemma 2/3) or a GGUF file.
+
+  `draft_for`: the target's checkpoint path, when this model is its draft. The tokenizers
+  shipped with the two must agree, id for id (`speclm.text.check_draft_tokenizer`), and a
+  draft whose embedding table is padded to another size than the target's is fitted to it
+  (`subset_vocab.resize_vocabulary`: q̃ = 0 on ids it lacks, still exact).
+  `cpu_kernels`: as for `smollm2_model` (off by default: it keeps a second copy of the
+  weights).
+  """
+  errors.check_path(path, 'checkpoint')
+  from speclm.checkpoints import llm  # pylint: disable=g-import-not-at-top
+  from speclm.models import subset_vocab  # pylint: disable=g-import-not-at-top
+  target_vocab_size = None
+  if draft_for is not None:
+    errors.check_path(draft_for, 'target checkpoint')
+    if text.check_draft_tokenizer(draft_for, path):  # then only the tables' padding differs
+      target_vocab_size = llm.read_llm_config(draft_for).vocab_size
+  model = llm.load_llm(path, dtype=dtype)
+  if cpu_kernels:
+    model = llama.pack_for_cpu(model)
+  if target_vocab_size is not None:
+    model = subset_vocab.resize_vocabulary(model, target_vocab_size)
+  return model
+
+
+@gin.configurable
+def checkpoint_tokenizer(path: str = gin.REQUIRED):
+  """The tokenizer shipped with the checkpoint at `path` (a `speclm.tokenizer.Tokenizer`, used
+  as the job's vocabulary): each input is encoded as plain text."""
+  errors.check_path(path, 'tokenizer')
+  from speclm.checkpoints import llm  # pylint: disable=g-import-not-at-top
+  return llm.load_llm_tokenizer(path)
+
+
+@gin.configurable
+def checkpoint_chat_vocabulary(path: str = gin.REQUIRED) -> vocab_lib.Vocabulary:
+  """The tokenizer of the checkpoint at `path` with its chat template: each input is a user
+  message (as `speclm.generate` encodes a string)."""
+  errors.check_path(path, 'tokenizer')
+  from speclm.checkpoints import llm  # pylint: disable=g-import-not-at-top
+  tok = llm.load_llm_tokenizer(path)
+  if not tok.chat_template:
+    raise JobError(f'The tokenizer at {path} has no chat template: encode its inputs as plain'
+                   ' text with VOCABULARY = @checkpoint_tokenizer (checkpoint_tokenizer.path).')
+  return _chat_vocabulary(tok)
+
+
+def _chat_vocabulary(tok) -> vocab_lib.Vocabulary:
+  """A `speclm.tokenizer.Tokenizer` as a vocabulary whose inputs are chat user messages."""
+  return vocab_lib.FunctionVocabulary(tok.encode_chat, tok.decode, tok.vocab_size,
+                                      eos_id=tok.eos_id, pad_id=tok.pad_id or 0,
+                                      end_ids=tok.end_ids)
+
+
+@gin.configurable
 def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True) -> protocol.Model:
   """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.presets.smollm2`).
 
@@ -238,9 +299,7 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
 def smollm2_chat_vocabulary() -> vocab_lib.Vocabulary:
   """SmolLM2's tokenizer with its chat template: each input is a user message."""
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
-  tok = smollm2.load_tokenizer()
-  return vocab_lib.FunctionVocabulary(tok.encode_chat, tok.decode, tok.vocab_size,
-                                      eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
+  return _chat_vocabulary(smollm2.load_tokenizer())
 
 
 @gin.configurable
@@ -269,7 +328,8 @@ def as_vocabulary(obj: Any) -> vocab_lib.Vocabulary:
                    ' encode/decode/vocab_size; wrap it in FunctionVocabulary.')
   return vocab_lib.FunctionVocabulary(obj.encode, obj.decode, obj.vocab_size,
                                       eos_id=getattr(obj, 'eos_id', None),
-                                      pad_id=getattr(obj, 'pad_id', None) or 0)
+                                      pad_id=getattr(obj, 'pad_id', None) or 0,
+                                      end_ids=getattr(obj, 'end_ids', ()))
 
 
 def _accepted_kwargs(provider: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
