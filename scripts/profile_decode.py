@@ -8,6 +8,7 @@ Map a name to its HLO with `XLA_FLAGS=--xla_dump_to=DIR` (the `*after_optimizati
 
   pip install -e '.[profile]'
   python scripts/profile_decode.py --mode=speculative --max_new_tokens=64
+  python scripts/profile_decode.py --mode=tree --tree_paths='0 1 0.0' --lookup_min_ngram=2
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ from absl import flags
 import speclm
 from speclm.data import builtin_prompts
 from speclm.models import llama
+from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
 
-_MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative'], 'Loop profiled.')
+_MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative', 'tree'],
+                          'Loop profiled (tree: tree_speculative_decode with --tree_paths).')
+_TREE_PATHS = flags.DEFINE_string('tree_paths', '0 1 0.0',
+                                  'The static tree of --mode=tree, as rank paths (Medusa style:'
+                                  ' "0 1 0.0" is two children of the root, one grandchild).')
+_LOOKUP = flags.DEFINE_integer('lookup_min_ngram', 0, 'Prompt lookup before the draft, as the'
+                               ' demo runs it (0: the draft alone).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
 _BATCH = flags.DEFINE_integer('batch_size', 1, 'Demo prompts decoded together.')
 _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
@@ -65,8 +73,10 @@ def main(argv):
   del argv
   target, tok = smollm2.load()
   draft = None
-  if _MODE.value == 'speculative':
+  if _MODE.value != 'baseline':
     draft = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
+    if _LOOKUP.value:
+      draft = lookup.lookup_first(draft, min_ngram=_LOOKUP.value)
   if _CPU_KERNELS.value:
     target = llama.pack_for_cpu(target)
   prompts = (builtin_prompts.demo_prompts() * _BATCH.value)[:_BATCH.value]
@@ -77,6 +87,10 @@ def main(argv):
     kwargs = dict(sampling=sampling, max_new_tokens=_MAX_NEW.value, eos_id=None)
     if draft is None:
       result = speclm.autoregressive_decode(target, tokens, lengths, **kwargs)
+    elif _MODE.value == 'tree':
+      paths = [tuple(int(r) for r in path.split('.')) for path in _TREE_PATHS.value.split()]
+      result = speclm.tree_speculative_decode(target, draft, tokens, lengths,
+                                              tree=speclm.TreeShape.from_paths(paths), **kwargs)
     else:
       result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=_GAMMA.value,
                                          **kwargs)

@@ -118,8 +118,8 @@ def _choose_children(key, logits, probs, count: int, rule: str):
   if rule == 'sample':
     gumbel = jax.random.gumbel(key, probs.shape)
     scores = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)) + gumbel, -jnp.inf)
-    return jax.lax.top_k(scores, count)[1].astype(jnp.int32)
-  return jax.lax.top_k(logits, count)[1].astype(jnp.int32)
+    return sampling_lib.top_k_indices(scores, count)
+  return sampling_lib.top_k_indices(logits, count)
 
 
 def _draft_static_tree(draft_def, draft_params, cache, prev, pending, tree, sampling, rng):
@@ -190,7 +190,8 @@ def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sam
     best = jax.lax.top_k(scores[:, level], expand)[1]  # [B, expand] positions in `level`
     chosen_logits = jnp.take_along_axis(level_logits, best[:, :, None], axis=1)
     log_q = jax.nn.log_softmax(chosen_logits.astype(jnp.float32), axis=-1)
-    top_log_q, top_tokens = jax.lax.top_k(log_q, k)  # [B, expand, k]
+    top_tokens = sampling_lib.top_k_indices(log_q, k)  # [B, expand, k]
+    top_log_q = jnp.take_along_axis(log_q, top_tokens, axis=-1)
     parent_index = jnp.asarray(level)[best]  # [B, expand] pool indices
     child_scores = (jnp.take_along_axis(scores, parent_index, axis=1)[:, :, None] + top_log_q)
     new = np.arange(end, end + expand * k)

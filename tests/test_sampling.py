@@ -1,6 +1,7 @@
 """Standardized sampling (paper §2.2) against a plain NumPy reference."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -175,3 +176,11 @@ def test_numpy_scalars_are_accepted_and_stored_as_python_numbers():
   compiled = jitted._cache_size()
   jitted(logits, sampling.SamplingConfig(0.5))
   assert jitted._cache_size() == compiled
+
+
+def test_top_k_indices_equal_lax_top_k_ties_included():
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.integers(0, 5, size=(2, 3, 40)).astype(np.float32))  # many ties
+  for k in (1, 2, 4):
+    np.testing.assert_array_equal(np.asarray(sampling.top_k_indices(x, k)),
+                                  np.asarray(jax.lax.top_k(x, k)[1]))
