@@ -183,6 +183,21 @@ def test_export_to_transformers_round_trips(family_models):
                              atol=1e-5)
 
 
+def test_the_shard_by_shard_reader_reads_the_same_parameters(family_models, tmp_path):
+  """`sharded.load_hf_llama_sharded` (the sharded jobs' reader) maps every family's tensors,
+  biases and q/k norms included, as `load_model` does."""
+  from speclm import partitioning  # pylint: disable=import-outside-toplevel
+  from speclm import trees  # pylint: disable=import-outside-toplevel
+  from speclm.checkpoints import sharded  # pylint: disable=import-outside-toplevel
+  _, hf_model, target, _ = family_models
+  hf_model.save_pretrained(tmp_path, safe_serialization=True)
+  got = sharded.load_hf_llama_sharded(tmp_path, partitioning.Partitioner(num_partitions=1))
+  want = trees.flatten(target.params)
+  assert sorted(trees.flatten(got.params)) == sorted(want)
+  for name, value in trees.flatten(got.params).items():
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(want[name]), err_msg=name)
+
+
 def test_sliding_window_masks_only_the_sliding_layers():
   """A token beyond the window changes a global layer's output, not a lone sliding layer's."""
   def model(layer_types):
