@@ -72,6 +72,9 @@ _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per row
 _GAMMA = flags.DEFINE_integer('gamma', 3, 'Draft tokens per speculative round at batch 1 (ours and'
                               ' HF); 3 is the best for the shipped draft on 2 CPU cores'
                               ' (docs/performance.md).')
+_OTHER_GAMMAS = flags.DEFINE_list(
+    'other_gammas', ['1', '2', '4'], 'More fixed γ at batch 1 (beside --gamma), so the adaptive'
+    ' cases are compared with the best fixed γ measured in the same run.')
 _BATCH = flags.DEFINE_integer('batch_size', 8, 'The larger batch size measured.')
 _BATCH_GAMMA = flags.DEFINE_integer('batch_gamma', 1,
                                     'γ at --batch_size. A verification call costs more rows'
@@ -254,6 +257,9 @@ def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, x
       make('speclm baseline', 'main', _BATCH.value, SAMPLED, target),
       make('speclm speculative', 'main', _BATCH.value, SAMPLED, target, draft),
   ]
+  cases += [make(f'speclm speculative γ={gamma}', 'main', 1, sampling, target, draft,
+                 gamma=gamma)
+            for gamma in _other_gammas() for sampling in (GREEDY, SAMPLED)]
   if rules:
     cases += [make('speclm adaptive γ', 'main', batch_size, sampling, target, draft,
                    gamma=rules[batch_size])
@@ -341,6 +347,10 @@ def check_export(draft, hf_draft, tok, prompt) -> float:
 # Floor, costs, report
 
 
+def _other_gammas() -> list[int]:
+  return [int(g) for g in _OTHER_GAMMAS.value if int(g) != _GAMMA.value]
+
+
 def _gamma(batch_size: int) -> int:
   """γ used at this batch size: --gamma at batch 1, --batch_gamma at --batch_size."""
   if batch_size > 1:
@@ -425,7 +435,9 @@ def main(argv):
   for batch_size in (1, _BATCH.value):
     base = find(cases, 'speclm baseline', batch_size, 0.0)
     for name, label in (('speclm speculative', 'speculative'),
-                        ('speclm adaptive γ', 'adaptive γ')):
+                        ('speclm adaptive γ', 'adaptive γ'),
+                        *[(f'speclm speculative γ={g}', f'speculative γ={g}')
+                          for g in _other_gammas()]):
       spec = find(cases, name, batch_size, 0.0)
       if spec is not None:
         checks[f'greedy {label} = baseline, batch {batch_size}'] = (
@@ -479,6 +491,19 @@ def main(argv):
             adaptive_case, find(cases, 'speclm baseline', batch_size, temperature))
         ratios[f'adaptive γ / fixed γ, {setting}'] = ratio(
             adaptive_case, find(cases, 'speclm speculative', batch_size, temperature))
+    if batch_size == 1:
+      for temperature in (0.0, 1.0):
+        base = find(cases, 'speclm baseline', 1, temperature)
+        fixed = {_GAMMA.value: find(cases, 'speclm speculative', 1, temperature)}
+        fixed.update({g: find(cases, f'speclm speculative γ={g}', 1, temperature)
+                      for g in _other_gammas()})
+        for g in _other_gammas():
+          ratios[f'fixed γ={g} / baseline, T={temperature:g}, batch 1'] = ratio(fixed[g], base)
+        best = max(fixed, key=lambda g: ratio(fixed[g], base))
+        adaptive_case = find(cases, 'speclm adaptive γ', 1, temperature)
+        if adaptive_case is not None and len(fixed) > 1:
+          ratios[f'adaptive γ / best fixed γ (γ={best}), T={temperature:g}, batch 1'] = ratio(
+              adaptive_case, fixed[best])
   if _HF.value:
     ratios.update({
         'speculative / HF assisted, T=0, batch 1': ratio(

@@ -12,22 +12,27 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
     the tree theory's tokens per call from those rates (`theory.tree_expected_tokens`),
     milliseconds per token and the speedup over the baseline (median of per-round ratios),
     and whether the greedy output equals the baseline's;
-  * the policy (`--policy`): per-rank acceptance measured on the other built-in prompt set,
-    r of every static tree timed here, and the tree `theory.choose_tree` predicts fastest (the
-    chain included) decoded as one more case;
+  * the policy (`--policy`): the job's `@tree_policy()` (`speclm.analysis.tree_policy`, its
+    default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a job calibrates on
+    its first batch: on the first 2 of the decoded prompts (one batch of 2), 32 new tokens
+    (at most `--max_new_tokens`), one untimed and 2 timed interleaved decodes per candidate;
+    its measured table (the tree theory's predictions beside it, with c and r timed here) and
+    the chosen tree (or chain) decoded as one more case;
   * r for trees of 4–32 nodes: one target `extend_tree` call over the tree / one 1-token
     `extend` call, at the prompts' mean context.
 
 Prompts: the built-in demo prompts (`--prompts=demo`) or the held-out ones (`heldout`), both
-shipped with speclm; trees were chosen on neither. It writes docs/tree_benchmarks.md:
+shipped with speclm; the fixed trees were chosen on neither (the policy sees the first 2 of
+them, as a job's policy sees its first batch). It writes docs/tree_benchmarks.md:
 
-  python scripts/benchmark_trees.py                    # the full run (about 30 minutes here)
+  python scripts/benchmark_trees.py                    # the full run (about an hour here)
   python scripts/benchmark_trees.py --rounds=1 --max_new_tokens=8 --target_layers=1 \
       --r_nodes=4 --output=/tmp/t.md                   # a smoke run
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -41,6 +46,7 @@ from speclm import tree_decoding
 from speclm.analysis import benchmarking
 from speclm.analysis import measure
 from speclm.analysis import theory
+from speclm.analysis import tree_policy
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import fmt
 from speclm.analysis.benchmarking import median
@@ -62,25 +68,14 @@ _R_NODES = flags.DEFINE_list('r_nodes', ['4', '8', '16', '32'],
 _TARGET_LAYERS = flags.DEFINE_integer(
     'target_layers', 0, 'Smoke runs: cut the target to its first N layers (0: all).')
 _POLICY = flags.DEFINE_bool(
-    'policy', True, 'Also decode with the tree the policy chooses (`theory.choose_tree`), from'
-    ' rank acceptance measured on the other built-in prompt set and r timed here.')
+    'policy', True, 'Also decode with what the job\'s default `@tree_policy()` chooses, by'
+    ' speed measured on the first decoded prompts (`speclm.analysis.tree_policy`).')
+_TREE = flags.DEFINE_multi_string(
+    'tree', [], 'Only these cases of TREES / SAMPLED_TREES, by name (repeatable; default: all).')
 _OUTPUT = flags.DEFINE_string('output', 'docs/tree_benchmarks.md', 'Where the report goes.')
 
-# The policy calibrates the per-rank acceptance on this tree, over the other built-in prompt
-# set than the one decoded (the draft was trained on the training prompts' replies, so they
-# would overstate its acceptance).
-CALIBRATION_TREE = token_trees.TreeShape.from_branching((3, 2, 1, 1))
-CALIBRATION_PROMPTS = 4
-
-
-def _calibration_set() -> str:
-  return 'held-out' if _PROMPTS.value == 'demo' else 'demo'
-
-
-def calibration_prompts() -> list[str]:
-  prompts = (builtin_prompts.heldout_prompts() if _PROMPTS.value == 'demo'
-             else builtin_prompts.demo_prompts())
-  return prompts[:CALIBRATION_PROMPTS]
+# The job's default policy; it decodes at most --max_new_tokens per calibration call.
+POLICY = tree_policy.TreePolicy(tree_policy.default_candidates())
 
 # The trees compared. 'paths5' is the best tree of scripts/estimate_tree_drafts.py (fitted on
 # the demo prompts' ranks, docs/drafts.md); the others are the usual families.
@@ -95,6 +90,10 @@ TREES = {
     'branching 3 2 1': token_trees.TreeShape.from_branching((3, 2, 1)),
     'dynamic 8 (depth 4, top-3, width 2)': token_trees.DynamicTree(8, depth=4, top_k=3, width=2),
     'dynamic 16 (depth 5, top-4, width 4)': token_trees.DynamicTree(16, depth=5, top_k=4,
+                                                                    width=4),
+    # Aiming at tokens / call >= 1.3x the chain's (the 16-node tree gave 1.24x). A width above
+    # top_k is refused (the first depth has only top_k nodes to expand), hence width 4.
+    'dynamic 32 (depth 6, top-4, width 4)': token_trees.DynamicTree(32, depth=6, top_k=4,
                                                                     width=4),
 }
 SAMPLED_TREES = {  # at T > 0 also: siblings drawn without replacement from q̃
@@ -118,68 +117,95 @@ def make_case(name, sampling, single, run_one) -> Case:
   return case
 
 
-def build_cases(target, draft, single, policy) -> list[Case]:
-  """`policy`: temperature -> the name of the static tree the policy chose (or None)."""
+def decode_with(target, draft, tree):
+  """The decode of a tree, or of the chain (`speculative_decode`, γ = --gamma) for None."""
+  if tree is None:
+    return functools.partial(speclm.speculative_decode, target, draft, gamma=_GAMMA.value)
+  return functools.partial(tree_decoding.tree_speculative_decode, target, draft, tree=tree)
+
+
+def build_cases(target, draft, single, choices) -> list[Case]:
+  """`choices`: temperature -> the policy's `PolicyChoice` (none without --policy)."""
   cases = []
   for temperature in [float(t) for t in _TEMPERATURES.value]:
     sampling = speclm.SamplingConfig(temperature=temperature)
     trees = dict(TREES, **(SAMPLED_TREES if temperature > 0 else {}))
+    if _TREE.value:
+      unknown = set(_TREE.value) - set(TREES) - set(SAMPLED_TREES)
+      if unknown:
+        raise app.UsageError(f'--tree: unknown {sorted(unknown)}; known: {list(TREES)}'
+                             f' + {list(SAMPLED_TREES)}')
+      trees = {name: tree for name, tree in trees.items() if name in _TREE.value}
     cases.append(make_case('baseline', sampling, single,
                            functools.partial(speclm.autoregressive_decode, target)))
-    cases.append(make_case(f'chain γ={_GAMMA.value}', sampling, single, functools.partial(
-        speclm.speculative_decode, target, draft, gamma=_GAMMA.value)))
+    cases.append(make_case(f'chain γ={_GAMMA.value}', sampling, single,
+                           decode_with(target, draft, None)))
     for name, tree in trees.items():
-      cases.append(make_case(name, sampling, single, functools.partial(
-          tree_decoding.tree_speculative_decode, target, draft, tree=tree)))
-    if policy.get(temperature):
-      cases.append(make_case(f'policy: {policy[temperature]}', sampling, single,
-                             functools.partial(tree_decoding.tree_speculative_decode, target,
-                                               draft, tree=TREES[policy[temperature]])))
+      cases.append(make_case(name, sampling, single, decode_with(target, draft, tree)))
+    if temperature in choices:
+      choice = choices[temperature]
+      cases.append(make_case(f'policy: {choice.name}', sampling, single,
+                             decode_with(target, draft, choice.tree)))
   return cases
 
 
-def choose_trees(target, draft, tok, context) -> tuple[dict, list[str]]:
-  """The policy: per temperature, the static tree (the chain included) of highest predicted
-  speedup, from per-rank acceptance measured on training prompts and r and c timed here.
-  Returns ({temperature: name}, report lines)."""
-  static = {name: tree for name, tree in TREES.items()
-            if isinstance(tree, token_trees.TreeShape)}
+def theory_costs(target, draft, context) -> tuple[float, dict[str, float]]:
+  """c, and r of the policy's chain and static trees (isolated calls, interleaved with the
+  1-token call): only for the theory's columns of the policy table."""
   cost = measure.measure_costs(target, draft, gamma=1, context_length=context)
-  r = dict(zip(static, measure.time_tree_verifications(target, list(static.values()),
-                                                       context_length=context, repeats=7)))
-  calibration = [benchmarking.chat_prompt_batch(tok, [p]) for p in calibration_prompts()]
-  chosen, lines = {}, ['## The policy: a tree only where it pays', '',
-                       f'Per-rank acceptance measured with {CALIBRATION_TREE.describe()} on'
-                       f' the first {CALIBRATION_PROMPTS} built-in {_calibration_set()} prompts'
-                       f' ({_MAX_NEW.value} tokens each; not the prompts decoded below);'
-                       f' c = {cost.c:.3f}; each tree\'s r timed here, interleaved with the'
-                       ' 1-token call (`measure.time_tree_verifications`);'
-                       ' `theory.choose_tree` predicts every tree\'s speedup and takes the'
-                       ' best.', '',
-                       '| T | acceptance by rank | ' + ' | '.join(static) + ' | chosen |',
-                       '|' + ' --- |' * (len(static) + 3),
-                       '| r | | ' + ' | '.join(f'{r[n]:.2f}' for n in static) + ' | |']
+  shapes = {name: token_trees.TreeShape.chain(_GAMMA.value) if tree is None else tree
+            for name, tree in POLICY.candidates.items()
+            if not isinstance(tree, token_trees.DynamicTree)}
+  r = measure.time_tree_verifications(target, list(shapes.values()), context_length=context,
+                                      repeats=7)
+  return cost.c, dict(zip(shapes, r))
+
+
+def run_policy(target, draft, tok, prompts, context) -> dict:
+  """The job's policy per temperature, calibrated on the first decoded prompts (one batch):
+  {temperature: PolicyChoice}."""
+  policy = dataclasses.replace(POLICY, calibration_tokens=min(POLICY.calibration_tokens,
+                                                              _MAX_NEW.value))
+  tokens, lengths = benchmarking.chat_prompt_batch(tok, prompts[:policy.calibration_rows])
+  c, r = theory_costs(target, draft, context)
+  choices = {}
   for temperature in [float(t) for t in _TEMPERATURES.value]:
-    sampling = speclm.SamplingConfig(temperature=temperature)
-    offered = accepted = 0
-    for seed, (tokens, lengths) in enumerate(calibration):
-      stats = tree_decoding.tree_speculative_decode(
-          target, draft, tokens, lengths, tree=CALIBRATION_TREE, sampling=sampling,
-          max_new_tokens=_MAX_NEW.value, seed=seed).stats
-      offered = offered + np.asarray(stats.rank_offered)
-      accepted = accepted + np.asarray(stats.rank_accepted)
-    rates = theory.rank_acceptance_rates(accepted, offered)
-    best, predicted = theory.choose_tree(static, rates, cost.c, r)
-    chosen[temperature] = best
-    lines.append(f'| {temperature:g} | {" ".join(f"{a:.2f}" for a in rates)} | '
-                 + ' | '.join(f'{predicted[n]:.2f}' for n in static) + f' | {best} |')
-    print(f'policy at T={temperature:g}: {best} (predicted {predicted[best]:.2f})', flush=True)
-  return chosen, lines + ['']
+    choice = tree_policy.choose(policy, target, draft, tokens, lengths, gamma=_GAMMA.value,
+                                sampling=speclm.SamplingConfig(temperature=temperature),
+                                seed=0, c=c, r=r, progress=print)
+    print(f'policy at T={temperature:g}: {choice.summary()}', flush=True)
+    choices[temperature] = choice
+  return choices
 
 
-def tree_of(name: str):
+def policy_lines(choices, cases) -> list[str]:
+  """The policy's tables and how its choice fared in the rounds, against the chain."""
+  if not choices:
+    return []
+  first = next(iter(choices.values())).calibration
+  lines = ['## The policy: `@tree_policy()` chooses by measured speed', '',
+           f'The job\'s default policy, calibrated as a job does on its first batch: the first'
+           f' {first["rows"]} decoded prompts in one batch, {first["tokens"]} new tokens, one'
+           f' untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
+           ' (`speclm.analysis.tree_policy.choose`). It picks the fewest measured ms / token'
+           ' (the chain is always a candidate). The theory columns use the measured rates with'
+           ' c and r from isolated calls timed here, for comparison only.', '']
+  for temperature, choice in choices.items():
+    chain = benchmarking.find(cases, f'chain γ={_GAMMA.value}', 1, temperature)
+    chosen = benchmarking.find(cases, f'policy: {choice.name}', 1, temperature)
+    lines += [f'### Temperature {temperature:g}: chose {choice.name}'
+              f' (calibration {choice.calibration["seconds"]:.0f} s)', '']
+    lines += choice.markdown()
+    lines += ['', f'In the rounds above: the policy\'s case ran at'
+              f' {fmt(benchmarking.ratio(chosen, chain))}× the chain\'s speed (median of'
+              ' per-round ratios).', '']
+  return lines
+
+
+def tree_of(name: str, choices, temperature: float):
   """The tree a case decodes with (None for the baseline and speculative_decode's chain)."""
-  name = name[len('policy: '):] if name.startswith('policy: ') else name
+  if name.startswith('policy: '):
+    return choices[temperature].tree
   return TREES.get(name) or SAMPLED_TREES.get(name)
 
 
@@ -207,7 +233,7 @@ def time_r(target, context: int) -> list[tuple[int, str, float, float]]:
   return rows
 
 
-def render(cases, r_rows, checks, context, seconds, policy_lines) -> str:
+def render(cases, r_rows, checks, context, seconds, choices) -> str:
   lines = benchmarking.report_header('Token trees vs the chain (SmolLM2-135M + shipped draft)',
                                      'scripts/benchmark_trees.py', seconds)
   lines += [
@@ -231,7 +257,7 @@ def render(cases, r_rows, checks, context, seconds, policy_lines) -> str:
               ' tree theory, tokens / round | measured tokens / round | ms / token |'
               ' speedup |', '|' + ' --- |' * 10]
     for case in group:
-      tree = tree_of(case.name)
+      tree = tree_of(case.name, choices, temperature)
       rates = rank_rates(case)
       measured_round = predicted = None
       if case is not base:
@@ -240,7 +266,7 @@ def render(cases, r_rows, checks, context, seconds, policy_lines) -> str:
       if rates is not None and isinstance(tree, token_trees.TreeShape):
         predicted = theory.tree_expected_tokens(tree, rates)
       nodes = (tree.num_nodes if tree is not None else
-               (_GAMMA.value if case is chain else None))
+               (None if case is base else _GAMMA.value))
       lines.append(
           f'| {case.name} | {nodes if nodes is not None else "—"} |'
           f' {fmt(case.tokens_per_target_call() if case is not base else 1.0)} |'
@@ -250,7 +276,7 @@ def render(cases, r_rows, checks, context, seconds, policy_lines) -> str:
           f' {fmt(predicted)} | {fmt(measured_round)} |'
           f' {median(case.ms_per_token()):.1f} | {fmt(benchmarking.ratio(case, base))} |')
     lines.append('')
-  lines += policy_lines
+  lines += policy_lines(choices, cases)
   lines += [f'## r: one target call over a tree / one 1-token call (context {context})', '',
             '| nodes (root included) | tree | r, tree call | r, chain of as many rows |',
             '| --- | --- | --- | --- |']
@@ -275,11 +301,11 @@ def main(argv):
              else builtin_prompts.heldout_prompts())
   single = [benchmarking.chat_prompt_batch(tok, [p]) for p in prompts]
   context = int(np.mean([int(s[1][0]) for s in single])) + _MAX_NEW.value // 2
-  policy, policy_lines = {}, []
+  choices = {}
   if _POLICY.value:
-    print('the policy: calibrating rank acceptance and timing r …', flush=True)
-    policy, policy_lines = choose_trees(target, draft, tok, context)
-  cases = build_cases(target, draft, single, policy)
+    print('the policy: timing its candidates on the first prompts …', flush=True)
+    choices = run_policy(target, draft, tok, prompts, context)
+  cases = build_cases(target, draft, single, choices)
   print(f'compiling and warming up {len(cases)} cases …', flush=True)
   benchmarking.warm_up(cases)
   benchmarking.run_rounds(cases, _ROUNDS.value, shown=4)
@@ -290,7 +316,7 @@ def main(argv):
       checks[f'greedy {case.name} = baseline'] = benchmarking.outputs_equal(base, case)
   print('timing r for trees …', flush=True)
   r_rows = time_r(target, context)
-  report = render(cases, r_rows, checks, context, time.time() - started, policy_lines)
+  report = render(cases, r_rows, checks, context, time.time() - started, choices)
   benchmarking.write_report(report, _OUTPUT.value)
   if not all(checks.values()):
     raise SystemExit('A greedy tree output differs from the baseline: see the checks.')

@@ -12,10 +12,11 @@ every round, and the draft may stop early within a round:
       Σ_b (1 − α_b^{γ+1}) / (1 − α_b)   /   (max(γ, 1)·c + r(γ))            (Theorem 3.8)
 
   over the rows still generating: the numerator is Equation (1) per row, the denominator the
-  round's cost in target steps, with r(γ) a (γ+1)-token verification over a one-token step
-  (r(0) = 1). γ = 0 is a plain target step: the draft sits the round out and catches up later
-  by reading the tokens it missed in one call (up to `max_skip` rounds in a row; then it
-  reads them in a round of its own, proposing nothing), so γ = 0 costs 1 + c/(max_skip + 1).
+  round's cost in target steps, with r(γ) the round's verification and its other work over a
+  one-token baseline step (measured on whole rounds, see below). γ = 0 is a plain target
+  step: the draft sits the round out and catches up later by reading the tokens it missed in
+  one call (up to `max_skip` rounds in a row; then it reads them in a round of its own,
+  proposing nothing), so γ = 0 costs c/(max_skip + 1) + r(0).
   Since the running α forgets old rounds (`decay`) and drifts back to the prior, a batch that
   stopped speculating tries again later.
 * **Within a round, from the draft's confidence** (`draft_stopping`). After proposing x_j the
@@ -37,7 +38,9 @@ then draws from p itself), so the output distribution is the target's whatever t
 decides; only the speed changes.
 
 c and r(γ) come from timing the models (`speclm.analysis.measure.measure_adaptive_gamma`,
-which caches them per machine, model pair and batch size).
+which times whole rounds of this loop and caches them per machine, model pair and batch
+size). The loop takes them as an array (`AdaptiveGamma.cost_vector`) beside the static
+`AdaptiveGamma.structure()`, so rules that differ only in their costs share one compilation.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +62,9 @@ class AdaptiveGamma:
     max_gamma: γ_max ≥ 1, the most tokens drafted in one round (static: buffers and the
       verification widths compiled are sized by it).
     draft_cost: c, one draft call over one target step, for this batch size.
-    verify_costs: r(0) … r(γ_max): the time of a (γ+1)-token target call over a one-token
-      call, for this batch size (r(0) = 1).
+    verify_costs: r(0) … r(γ_max): what a round at γ costs beyond its draft calls (the
+      (γ+1)-token verification and the round's other work) over a one-token baseline step,
+      for this batch size.
     prior_alpha: the α a row is assumed to have before any evidence.
     prior_weight: how many drafted positions of evidence the prior is worth.
     decay: per round, the weight old evidence keeps (0 < decay ≤ 1; 1 never forgets).
@@ -117,12 +122,23 @@ class AdaptiveGamma:
     return cls(max_gamma=int(max_gamma), draft_cost=float(draft_cost), verify_costs=costs,
                **kwargs)
 
-  def round_cost(self, gamma) -> jax.Array:
-    """γ·c + r(γ) in target steps for γ ≥ 1, and 1 + c/(max_skip + 1) for γ = 0 (γ may be a
-    traced integer)."""
-    r = jnp.asarray(self.verify_costs, jnp.float32)
+  def cost_vector(self) -> np.ndarray:
+    """`[γ_max + 2]` float32: c, then r(0) … r(γ_max). The decode loop takes this as an
+    array, not as part of the static rule, so rules that differ only in their costs share one
+    compiled loop (`structure`)."""
+    return np.asarray((self.draft_cost,) + self.verify_costs, np.float32)
+
+  def structure(self) -> 'AdaptiveGamma':
+    """This rule without its costs (c = 0, r = 1): what the compiled loop depends on."""
+    return dataclasses.replace(self, draft_cost=0.0,
+                               verify_costs=(1.0,) * (self.max_gamma + 1))
+
+  def round_cost(self, gamma, costs=None) -> jax.Array:
+    """γ·c + r(γ) in target steps for γ ≥ 1, and c/(max_skip + 1) + r(0) for γ = 0 (γ may be
+    a traced integer). `costs` (`cost_vector()`, possibly traced) replaces the rule's own."""
+    costs = jnp.asarray(self.cost_vector() if costs is None else costs, jnp.float32)
     draft_calls = jnp.where(gamma > 0, gamma, 1.0 / (self.max_skip + 1))
-    return draft_calls * self.draft_cost + r[gamma]
+    return draft_calls * costs[0] + costs[1:][gamma]
 
 
 def running_alpha(beta_sum: jax.Array, beta_count: jax.Array, rule: AdaptiveGamma) -> jax.Array:
@@ -145,13 +161,15 @@ def expected_tokens(alpha: jax.Array, gamma: jax.Array) -> jax.Array:
   return jnp.where(alpha < 1.0, (1.0 - safe ** (gamma + 1.0)) / (1.0 - safe), gamma + 1.0)
 
 
-def choose_gamma(alpha: jax.Array, active: jax.Array, rule: AdaptiveGamma) -> jax.Array:
-  """The round's γ ∈ [0, γ_max]: argmax of Σ_b active (1 − α_b^{γ+1})/(1 − α_b) over
-  max(γ, 1)·c + r(γ) (ties go to the smaller γ). int32 scalar."""
+def choose_gamma(alpha: jax.Array, active: jax.Array, rule: AdaptiveGamma,
+                 costs=None) -> jax.Array:
+  """The round's γ ∈ [0, γ_max]: argmax of Σ_b active (1 − α_b^{γ+1})/(1 − α_b) over the
+  round's cost (`AdaptiveGamma.round_cost`, from `costs` when given; ties go to the smaller
+  γ). int32 scalar."""
   gammas = jnp.arange(rule.max_gamma + 1)
   tokens = jnp.sum(jnp.where(active[None, :], expected_tokens(alpha[None, :], gammas[:, None]),
                              0.0), axis=1)  # [γ_max + 1]
-  return jnp.argmax(tokens / rule.round_cost(gammas)).astype(jnp.int32)
+  return jnp.argmax(tokens / rule.round_cost(gammas, costs)).astype(jnp.int32)
 
 
 def draft_confidence(logits: jax.Array, probs: jax.Array, greedy: bool) -> jax.Array:
@@ -164,7 +182,7 @@ def draft_confidence(logits: jax.Array, probs: jax.Array, greedy: bool) -> jax.A
 
 
 def keep_drafting(num_drafted, expected, all_accepted, confidence, active,
-                  rule: AdaptiveGamma) -> jax.Array:
+                  rule: AdaptiveGamma, costs=None) -> jax.Array:
   """Whether proposal j+1 = `num_drafted` + 1 raises the round's expected tokens per cost.
 
   Args:
@@ -174,8 +192,9 @@ def keep_drafting(num_drafted, expected, all_accepted, confidence, active,
     confidence: `[B]` a_{b,j}, the draft's confidence in x_j (the next one's predicted
       acceptance).
     active: `[B]` rows still generating.
+    costs: the rule's `cost_vector()` (possibly traced); None uses the rule's own.
   """
   gain = jnp.sum(jnp.where(active, all_accepted * confidence, 0.0))
-  cost = rule.round_cost(num_drafted)
-  more = rule.round_cost(jnp.minimum(num_drafted + 1, rule.max_gamma))
+  cost = rule.round_cost(num_drafted, costs)
+  more = rule.round_cost(jnp.minimum(num_drafted + 1, rule.max_gamma), costs)
   return (num_drafted < rule.max_gamma) & ((expected + gain) * cost > expected * more)

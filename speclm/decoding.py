@@ -285,10 +285,12 @@ def speculative_decode(
   draft_capacity = _capacity(draft.definition, prompts.shape[1], max_new, gamma, cache_length)
   loop = (_speculative_jit if partitioner is None else
           partitioner.jit_decode_loop(_speculative_loop, num_models=2))
+  # An adaptive rule's costs travel as an array: rules that differ only in them share a loop.
+  costs = jnp.asarray(rule.cost_vector() if rule is not None else np.zeros(0, np.float32))
   result = loop(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
-      limits, jax.random.key(seed), end_tokens(eos_id),
-      jnp.int32(pad_id), gamma=gamma, rule=rule, sampling=sampling,
+      limits, jax.random.key(seed), end_tokens(eos_id), jnp.int32(pad_id), costs,
+      gamma=gamma, rule=None if rule is None else rule.structure(), sampling=sampling,
       buffer_length=max_new + gamma + 1,
       target_capacity=target_capacity, draft_capacity=draft_capacity)
   return _trim(result, max_new)
@@ -532,7 +534,7 @@ def _draft_extender(draft_def, draft_params):
 
 def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
                   rng, *, rule: adaptive.AdaptiveGamma | None = None, round_gamma=None,
-                  active=None):
+                  active=None, costs=None):
   """Step 1 of a round: up to γ draft calls.
 
   Returns (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows with bad draft logits, the
@@ -600,7 +602,7 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     j, _, _, _, _, _, _, all_accepted, confidence, expected = carry
     go = (round_gamma > 0) & (j < limit)
     if rule.draft_stopping:
-      go &= adaptive.keep_drafting(j, expected, all_accepted, confidence, active, rule)
+      go &= adaptive.keep_drafting(j, expected, all_accepted, confidence, active, rule, costs)
     return go
 
   def step(carry):
@@ -725,8 +727,10 @@ def add_round(stats: DecodeStats, *, num_accepted, active, good, beta_row, count
 
 
 def _speculative_loop(target_def, draft_def, target_params, draft_params, prompts, lengths,
-                      limits, rng, eos_id, pad_id, *, gamma, rule, sampling, buffer_length,
-                      target_capacity, draft_capacity) -> DecodeResult:
+                      limits, rng, eos_id, pad_id, rule_costs, *, gamma, rule, sampling,
+                      buffer_length, target_capacity, draft_capacity) -> DecodeResult:
+  """Algorithm 1 in a while loop. With an adaptive `rule` (its `structure()`, static),
+  `rule_costs` is its `cost_vector()`; unused otherwise."""
   batch = prompts.shape[0]
   # Prefill both models; a feature-conditioned draft reads the target's prompt features.
   draft_cache = draft_def.init_cache(batch, draft_capacity)
@@ -770,13 +774,15 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     round_gamma = None
     if rule is not None:
       round_gamma = adaptive.choose_gamma(
-          adaptive.running_alpha(state.evidence_sum, state.evidence_count, rule), active, rule)
+          adaptive.running_alpha(state.evidence_sum, state.evidence_count, rule), active, rule,
+          rule_costs)
     # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ (k ≤ γ under an adaptive rule; q̃ = 0 past
     #    k, which Algorithm 1 always rejects and then draws from p̃ itself).
     #    When γ = 0 and the draft may still fall behind (`rule.max_skip`), it sits the round out.
     def draft(state):
       return _draft_tokens(draft_def, draft_params, state, target_lengths, gamma, sampling,
-                           draft_key, rule=rule, round_gamma=round_gamma, active=active)
+                           draft_key, rule=rule, round_gamma=round_gamma, active=active,
+                           costs=rule_costs)
 
     def sit_out(state):
       return (jnp.zeros((batch, gamma, target_def.vocab_size), jnp.float32),
@@ -844,7 +850,8 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
 
 
 # `speclm.partitioning.Partitioner.jit_decode_loop` relies on the loops' argument order: the
-# definitions, their parameters, then prompts, lengths, limits, rng, eos_id, pad_id.
+# definitions, their parameters, then prompts, lengths, limits, rng, eos_id, pad_id (and the
+# speculative loop's rule costs).
 _autoregressive_jit = jax.jit(
     _autoregressive_loop, static_argnums=(0,),
     static_argnames=('sampling', 'buffer_length', 'capacity'))

@@ -12,6 +12,8 @@
   config.gin         the resolved gin config (written atomically once the directory is
                      accepted).
   operative_config.gin  the bindings the job used (at the end).
+  tree_policy.json   a `run_job.tree = @tree_policy()` job's choice and its measured table,
+                     written before the first batch, so a resumed job decodes with the same tree.
   .lock              held with `flock` while a job runs, so two jobs cannot share a directory.
 
 Every file is created with the same permissions (0666 less the umask, as `open` would).
@@ -31,6 +33,7 @@ METRICS = 'metrics.json'
 CONFIG = 'config.gin'
 OPERATIVE_CONFIG = 'operative_config.gin'
 JOB = 'job.json'
+TREE_POLICY = 'tree_policy.json'
 LOCK = '.lock'
 
 
@@ -183,7 +186,7 @@ class OutputDir:
   def discard(self) -> list[str]:
     """Deletes the outputs a job writes here (not other files); returns the names deleted."""
     deleted = []
-    for name in (PREDICTIONS, METRICS, JOB, CONFIG, OPERATIVE_CONFIG):
+    for name in (PREDICTIONS, METRICS, JOB, CONFIG, OPERATIVE_CONFIG, TREE_POLICY):
       if os.path.exists(self.file(name)):
         os.unlink(self.file(name))
         deleted.append(name)

@@ -374,7 +374,7 @@ class Partitioner:
 
     The loop's positional arguments are `num_models` definitions (static), their parameters,
     then prompts `[B, P]`, prompt lengths `[B]`, limits `[B]` (split over 'data'), and the rng
-    key, end id and pad id (replicated); the rest are static keyword arguments. The result is
+    key, end id, pad id and any other arrays, such as an adaptive rule's costs (replicated); the rest are static keyword arguments. The result is
     replicated, so every process can read all of it.
     """
     roles = ('target', 'draft')[:num_models]

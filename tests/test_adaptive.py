@@ -62,7 +62,7 @@ def scheduled(monkeypatch):
   """Replaces the rule's choice by a schedule that moves between 0 and γ_max from round to
   round (it reads the running α, which changes every round), so skipped rounds, catch-ups
   and forced catch-up rounds all happen."""
-  def schedule(alpha, active, rule):
+  def schedule(alpha, active, rule, costs=None):
     code = jnp.floor(jnp.mean(alpha) * 998.0).astype(jnp.int32)  # starts at 499: γ > 0
     return jnp.where(code % 3 == 0, 0, jnp.where(code % 3 == 1, 1 + code % rule.max_gamma, 0))
   monkeypatch.setattr(adaptive, 'choose_gamma', schedule)
@@ -264,18 +264,80 @@ def test_sampled_draft_stopping_fits_the_exact_distribution(small, lookup_first)
 # Costs and the job
 
 
+def test_rules_differing_only_in_costs_share_one_compiled_loop(target, prompts):
+  """The costs travel as an array, so a second rule compiles nothing, and its choices follow
+  its own costs (a loop compiled with the first rule's costs baked in would repeat them)."""
+  from speclm import decoding  # pylint: disable=import-outside-toplevel
+  draft = _perturbed(target, 0.3, seed=1)
+
+  def forcing(gamma):  # every other width priced out
+    return _rule(max_gamma=3, verify_costs=tuple(1.0 if g == gamma else 1e6 for g in range(4)),
+                 draft_cost=0.0)
+  histograms = []
+  for gamma in (2, 0, 3):
+    result = speclm.speculative_decode(target, draft, *prompts, gamma=forcing(gamma),
+                                       max_new_tokens=MAX_NEW)
+    if gamma == 2:
+      compiled = decoding._speculative_jit._cache_size()  # pylint: disable=protected-access
+    histograms.append(np.asarray(result.stats.gamma_histogram))
+  assert decoding._speculative_jit._cache_size() == compiled  # pylint: disable=protected-access
+  for gamma, histogram in zip((2, 0, 3), histograms):
+    assert histogram.sum() > 0 and histogram.sum() == histogram[gamma], (gamma, histogram)
+
+
+def test_round_costs_arithmetic(monkeypatch, target):
+  """measure_round_costs turns whole-loop times into per-round costs in baseline steps: the
+  prefill (the draft's taken as c times the target's) comes off, the rest is divided by the
+  rounds the loop made and by the baseline's time per token, and c·max(γ, 1) comes off again
+  (γ = 0 drafts 1/(max_skip + 1) of a call). Timings are given, the rounds are the loop's."""
+  draft = _perturbed(target, 0.3, seed=1)
+  new, max_skip, prefill, step, draft_step = 8, 1, 0.5, 0.1, 0.01
+  round_seconds = [0.13, 0.12, 0.15, 0.14]  # γ = 0 … 3; γ = 3 cheaper than γ = 2: noise
+  loops = {}
+
+  def fake_rounds(runs, repeats, **_):
+    del runs, repeats
+    return [[s] for s in [draft_step * runner_steps[0], prefill, prefill + new * step]
+            + [(1 + draft_step / step) * prefill + loops[g] * round_seconds[g]
+               for g in range(4)]]
+  runner_steps = []
+  real_runner = measure._extend_runner  # pylint: disable=protected-access
+
+  def runner(*args, **kwargs):
+    made = real_runner(*args, **kwargs)
+    runner_steps.append(made.num_steps)
+    return made
+  monkeypatch.setattr(measure, '_extend_runner', runner)
+  monkeypatch.setattr(measure.benchmarking, 'interleaved_rounds', fake_rounds)
+  real_decode = measure.decoding.speculative_decode
+
+  def counting(*args, gamma, **kwargs):
+    result = real_decode(*args, gamma=gamma, **kwargs)
+    forced = int(np.argmin(gamma.verify_costs))
+    loops[forced] = int(result.stats.target_calls) - 1
+    return result
+  monkeypatch.setattr(measure.decoding, 'speculative_decode', counting)
+  c, r = measure.measure_round_costs(target, draft, max_gamma=3, context_length=6,
+                                     num_new_tokens=new, repeats=1, max_skip=max_skip)
+  assert c == pytest.approx(draft_step / step)
+  expected = [round_seconds[g] / step - (g if g else 1 / (max_skip + 1)) * c for g in range(4)]
+  expected[3] = max(expected[3], expected[2])  # lifted: a wider round never costs less
+  assert r == pytest.approx(expected)
+  assert set(loops) == {0, 1, 2, 3} and all(n > 0 for n in loops.values())
+
+
 def test_measured_costs_are_cached(tmp_path, monkeypatch, target):
   monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path))
   draft = _perturbed(target, 0.3, seed=1)
   rule = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8,
                                         draft_stopping=True)
-  assert rule.verify_costs[0] == 1.0 and len(rule.verify_costs) == 3
+  assert len(rule.verify_costs) == 3 and all(r > 0 for r in rule.verify_costs)
   assert rule.draft_cost > 0 and rule.draft_stopping
   (saved,) = os.listdir(tmp_path)
   with open(tmp_path / saved) as f:
     assert json.load(f)['verify_costs'] == list(rule.verify_costs)
   # A second call reads the file instead of timing again.
-  monkeypatch.setattr(measure, 'measure_verify_costs',
+  monkeypatch.setattr(measure, 'measure_round_costs',
                       lambda *a, **k: pytest.fail('measured again'))
   again = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
   assert again.verify_costs == rule.verify_costs

@@ -111,6 +111,54 @@ def test_compare_job_with_a_token_tree(tmp_path):
     run_tiny(tmp_path / 'c', 'run_job.tree = @token_tree')
 
 
+def test_compare_job_with_a_tree_policy(tmp_path):
+  """`run_job.tree = @tree_policy()`: the job times the chain and the trees on its first batch
+  (at the job's own batch shape and length, so the programs compile once), records the table
+  and decodes with the choice; a resume reuses the choice; bad settings are JobErrors."""
+  policy = ('run_job.tree = @tree_policy()',
+            "tree_policy.candidates = {'paths3': [[0], [1], [0, 0]]}",
+            'tree_policy.calibration_rows = 4', 'tree_policy.calibration_tokens = 12',
+            'tree_policy.repeats = 1', 'synthetic_dataset.num_examples = 8',
+            'run_job.measure_cost = False')
+  metrics = run_tiny(tmp_path, *policy)
+  entry = metrics['tree_policy']
+  assert [row['name'] for row in entry['candidates']] == ['baseline', 'chain', 'paths3']
+  timed = entry['candidates'][1:]
+  assert entry['chosen'] == min(timed, key=lambda row: row['seconds_per_token'])['name']
+  assert all(row['identical_to_baseline'] and row['seconds'][0] > 0 for row in timed)
+  assert entry['calibration']['rows'] == 4
+  records = outputs.read_predictions(str(tmp_path / 'predictions.jsonl'))
+  assert all(r['identical'] for r in records) and metrics['identical_output_rate'] == 1.0
+  if entry['chosen'] == 'paths3':
+    assert metrics['tree'] == 'tree of 3 nodes, depth 2, candidates top_k'
+  else:
+    assert metrics['gamma'] == 3 and 'tree' not in metrics
+  on_disk = json.loads((tmp_path / 'metrics.json').read_text())
+  assert on_disk['tree_policy']['chosen'] == entry['chosen']
+  assert json.loads((tmp_path / 'tree_policy.json').read_text()) == on_disk['tree_policy']
+  fingerprint = json.loads((tmp_path / 'job.json').read_text())
+  assert 'TreePolicy(' in fingerprint['settings.tree_policy']
+  # Resumed with nothing left to decode: no calibration, the recorded choice is reported.
+  again = run_tiny(tmp_path, *policy)
+  assert again['tree_policy'] == entry
+  # Resumed with a batch to redo: decoded with the recorded choice (same timings: no
+  # second calibration).
+  lines = (tmp_path / 'predictions.jsonl').read_text().splitlines(keepends=True)
+  (tmp_path / 'predictions.jsonl').write_text(''.join(lines[:4]))
+  again = run_tiny(tmp_path, *policy)
+  assert again['tree_policy'] == entry and again['job']['decoded_this_run'] == 4
+  assert again['identical_output_rate'] == 1.0
+  # A different policy is a different job.
+  with pytest.raises(run.JobError, match='settings.tree_policy'):
+    run_tiny(tmp_path, *policy, 'tree_policy.repeats = 2')
+  for binding, message in [('tree_policy.calibration_rows = 0', 'calibration_rows must be'),
+                           ('tree_policy.candidates = {}', 'non-empty mapping'),
+                           ("tree_policy.candidates = {'x': 3}", r"candidates\['x'\]"),
+                           ("GAMMA = 'adaptive'", 'exclude each other')]:
+    with pytest.raises(run.JobError, match=message):
+      run_tiny(tmp_path / 'bad', 'run_job.tree = @tree_policy()', binding)
+
+
 def test_per_batch_prediction_follows_each_batchs_slowest_row():
   from speclm.analysis import theory  # pylint: disable=import-outside-toplevel
   def record(batch, num_tokens, beta_sum, beta_count):

@@ -271,6 +271,11 @@ def summary(metrics: dict[str, Any]) -> str:
                  ('  with measured r', _fmt(metrics.get('predicted_speedup_with_r'), '.2f')),
                  ('  row by row, per batch', _fmt(metrics.get('predicted_speedup_per_batch'),
                                                   '.2f'))])]
+  if (metrics.get('tree_policy') or {}).get('chosen'):
+    policy = metrics['tree_policy']
+    rows.append(('tree policy', f"chose {policy['chosen']} of"
+                                f" {len(policy['candidates']) - 1} (timed on"
+                                f" {policy['calibration']['rows']} rows at start-up)"))
   if 'speedup' in metrics:
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
              ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]

@@ -613,7 +613,76 @@ def measure_verify_costs(target: protocol.Model, draft: protocol.Model, *, max_g
   return per_call[0] / step, tuple(float(r) for r in verify)
 
 
-def _cost_cache_key(target, draft, max_gamma, batch_size, context_length) -> str:
+def _forcing_rule(max_gamma: int, gamma: int, max_skip: int) -> adaptive.AdaptiveGamma:
+  """An adaptive rule that chooses `gamma` every round: every other width is priced at 10⁶
+  target steps (and drafting at nothing), so no running α can make another width win."""
+  costs = [1e6] * (max_gamma + 1)
+  costs[gamma] = 1.0
+  return adaptive.AdaptiveGamma(max_gamma=max_gamma, draft_cost=0.0, verify_costs=tuple(costs),
+                                max_skip=max_skip)
+
+
+def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
+                        batch_size: int = 1, context_length: int = 64, num_new_tokens: int = 32,
+                        repeats: int = 3, max_skip: int = 3,
+                        seed: int = 0) -> tuple[float, tuple[float, ...]]:
+  """c and r(0) … r(γ_max) for `adaptive.AdaptiveGamma`, with r timed on whole rounds.
+
+  Timing the (γ+1)-token target call alone (`measure_verify_costs`) leaves out what else a
+  round does: the draft's γ calls through the loop, the acceptance test over the vocabulary,
+  sampling, appending, the width switch. Here the adaptive loop itself runs, made to choose
+  γ every round (`_forcing_rule`), for γ = 0 … γ_max, beside the baseline loop, on
+  `batch_size` random prompts of `context_length` tokens and `num_new_tokens` new ones, all
+  interleaved within each of `repeats` rounds. The prompt's prefill (timed alone; the
+  draft's is taken as c times the target's) is subtracted, the rest divided by the rounds
+  the loop made (`DecodeStats.target_calls` − 1) and by the baseline's time per token. That
+  gives each round's full cost in target steps; the rule's c·max(γ, 1) is taken off it (γ = 0
+  drafts 1/(max_skip+1) on average) so that `AdaptiveGamma.round_cost(γ)` returns the
+  measured round cost. r(0) > 1 then holds the γ = 0 round's overhead over a plain step.
+
+  Every loop compiles once (γ_max + 2 compilations); `measure_adaptive_gamma` caches the
+  result per machine.
+  """
+  if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
+    raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')
+  if min(batch_size, context_length, num_new_tokens, repeats) < 1:
+    raise ValueError('batch_size, context_length, num_new_tokens and repeats must all be >= 1.')
+  if isinstance(draft.definition, protocol.FeatureConditionedDraft):
+    max_skip = 0  # it reads the target's features every round (as `speculative_decode` sets)
+  draft_runner = _extend_runner(draft, num_new=1, batch_size=batch_size,
+                                context_length=context_length, num_steps=8,
+                                min_sample_seconds=0.05, seed=seed)
+  prompts, lengths = random_prompts(target.vocab_size, batch_size, context_length, seed)
+  prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+  common = dict(sampling=sampling_lib.GREEDY, max_new_tokens=num_new_tokens, seed=seed)
+  cache = target.definition.init_cache(batch_size,
+                                       context_length + num_new_tokens + max_gamma + 2)
+  prefill = jax.jit(target.definition.prefill)
+  loops = [functools.partial(decoding.speculative_decode, target, draft, prompts, lengths,
+                             gamma=_forcing_rule(max_gamma, gamma, max_skip), **common)
+           for gamma in range(max_gamma + 1)]
+  runs = [draft_runner.run,
+          lambda: prefill(target.params, prompts, lengths, cache)[0],
+          lambda: decoding.autoregressive_decode(target, prompts, lengths, **common).tokens,
+          *[lambda loop=loop: loop().tokens for loop in loops]]
+  jax.block_until_ready(runs[1]())  # compile and warm up (the draft runner already is)
+  jax.block_until_ready(runs[2]())
+  rounds = [int(loop().stats.target_calls) - 1 for loop in loops]  # (compiles each loop)
+  seconds = benchmarking.interleaved_rounds([lambda _, run=run: run() for run in runs], repeats)
+  draft_s, prefill_s, baseline_s, *loop_s = (float(np.median(s)) for s in seconds)
+  step = max(baseline_s - prefill_s, 1e-9) / num_new_tokens  # one baseline token
+  c = draft_s / draft_runner.num_steps / step
+  verify = []
+  for gamma, (total, num_rounds) in enumerate(zip(loop_s, rounds)):
+    round_steps = (total - (1.0 + c) * prefill_s) / max(num_rounds, 1) / step
+    draft_calls = gamma if gamma else 1.0 / (max_skip + 1)
+    verify.append(max(round_steps - draft_calls * c, 0.05))
+  # A wider round never costs less: a noisy sample that says so is lifted to the one before.
+  verify = [verify[0]] + list(np.maximum.accumulate(verify[1:]))
+  return c, tuple(float(r) for r in verify)
+
+
+def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_skip=3) -> str:
   """What the timings depend on: this machine, the software, the models' definitions and
   parameter shapes, the batch size, γ_max and the context."""
   def shapes(model):
@@ -625,6 +694,8 @@ def _cost_cache_key(target, draft, max_gamma, batch_size, context_length) -> str
       'target': [repr(target.definition), shapes(target)],
       'draft': [repr(draft.definition), shapes(draft)],
       'batch_size': batch_size, 'max_gamma': max_gamma, 'context_length': context_length,
+      'max_skip': max_skip,
+      'method': 'whole rounds',  # files from isolated call timings are not reused
   }, sort_keys=True)
   return hashlib.sha256(description.encode()).hexdigest()[:24]
 
@@ -642,11 +713,13 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
 
   The timings are cached (`cost_cache_dir()`, one JSON file per machine, model pair, batch size,
   γ_max and context; see `_cost_cache_key`), so a job measures them once per machine. A
-  cache file that does not parse is measured again and rewritten. `rule_kwargs` go to
-  `AdaptiveGamma` (prior_alpha, prior_weight, decay, draft_stopping).
+  cache file that does not parse is measured again and rewritten. c and r are timed on whole
+  rounds of the adaptive loop (`measure_round_costs`). `rule_kwargs` go to `AdaptiveGamma`
+  (prior_alpha, prior_weight, decay, draft_stopping, max_skip).
   """
+  max_skip = rule_kwargs.get('max_skip', 3)
   path = os.path.join(cost_cache_dir(), _cost_cache_key(target, draft, max_gamma, batch_size,
-                                                        context_length) + '.json')
+                                                        context_length, max_skip) + '.json')
   costs = None
   if use_cache and os.path.exists(path):
     try:
@@ -657,8 +730,8 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
     except (OSError, ValueError, KeyError, TypeError):
       costs = None
   if costs is None:
-    costs = measure_verify_costs(target, draft, max_gamma=max_gamma, batch_size=batch_size,
-                                 context_length=context_length)
+    costs = measure_round_costs(target, draft, max_gamma=max_gamma, batch_size=batch_size,
+                                context_length=context_length, max_skip=max_skip)
     if use_cache:
       os.makedirs(path.rsplit(os.sep, 1)[0], exist_ok=True)
       temporary = f'{path}.{os.getpid()}.tmp'

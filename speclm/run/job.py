@@ -30,6 +30,7 @@ from speclm import token_trees
 from speclm import tree_decoding
 from speclm.analysis import job_metrics
 from speclm.analysis import measure
+from speclm.analysis import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import vocab as vocab_lib
 from speclm.run import fingerprint as fingerprint_lib
@@ -167,7 +168,10 @@ def run_job(*,
       may stop early (or go on up to max_gamma) on its own confidence.
     tree: a token tree (`@token_tree()` static, `@dynamic_tree()` EAGLE-2; see
       `speclm.token_trees`): each round verifies the tree in one target call instead of a
-      chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only.
+      chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only. Or
+      `@tree_policy()` (`speclm.analysis.tree_policy`): at start-up the job times the chain
+      (with `gamma`) and each candidate tree on its first rows and decodes with the fastest
+      as measured; metrics.json records the table under 'tree_policy'. One process only.
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
     max_new_tokens: generation limit per example.
@@ -218,12 +222,16 @@ def run_job(*,
   except ValueError as e:
     raise JobError(f"run_job.{'max_gamma' if adaptive_gamma else 'gamma'}: {e} (gamma may"
                    f" also be '{ADAPTIVE}').") from None
+  policy = None  # a TreePolicy: the tree is chosen at start-up (step 4)
   if tree is not None:
     tree = providers.provide(tree, 'The token tree setting')
-    try:
-      token_trees.check_tree(tree)
-    except ValueError as e:
-      raise JobError(f'run_job.tree: {e}') from None
+    if isinstance(tree, tree_policy_lib.TreePolicy):
+      policy, tree = tree, None
+    else:
+      try:
+        token_trees.check_tree(tree)
+      except ValueError as e:
+        raise JobError(f'run_job.tree: {e} (or a @tree_policy()).') from None
     if adaptive_gamma:
       raise JobError("run_job.tree and gamma = 'adaptive' exclude each other: a tree round"
                      ' has its own shape; set one of them.')
@@ -239,11 +247,18 @@ def run_job(*,
                    f' ({max_input_length}); add a bucket of at least that width.')
 
   process_index, process_count = jax.process_index(), jax.process_count()
+  if policy is not None and 'speculative' not in methods:
+    policy = None  # nothing to choose for the baseline alone
+  if policy is not None and process_count > 1:
+    raise JobError('run_job.tree = @tree_policy() calibrates on one process\'s first batch, so'
+                   ' processes could choose different trees; set a fixed tree (@token_tree(),'
+                   ' @dynamic_tree()) for several processes.')
   job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
                                                                 _process_dir(process_index))
   spec_gamma = gamma if tree is None else tree.describe()
   settings = {'mode': mode, 'gamma': spec_gamma if 'speculative' in methods else None,
               **({'tree': repr(tree)} if tree is not None and 'speculative' in methods else {}),
+              **({'tree_policy': repr(policy)} if policy is not None else {}),
               **({'max_gamma': max_gamma, 'draft_stopping': bool(draft_stopping)}
                  if adaptive_gamma and 'speculative' in methods else {}),
               'temperature': sampling.temperature, 'top_k': sampling.top_k,
@@ -344,6 +359,13 @@ def run_job(*,
     if done:
       print(f'Resuming {output_dir}: {len(done)} of {len(examples)} examples already recorded.',
             file=progress_stream or sys.stderr)
+    policy_record = None
+    if policy is not None:
+      tree, policy_record = _apply_policy(
+          policy, out, batches[0] if batches else None, target_model, draft_model,
+          gamma=gamma, sampling=sampling, seed=seed, vocabulary=vocabulary,
+          stream=progress_stream or sys.stderr)
+      spec_gamma = gamma if tree is None else tree.describe()
     bar = progress_lib.Progress(len(examples), initial=num_done, stream=progress_stream,
                                 enabled=show_progress,
                                 label='compare' if mode == 'compare' else methods[0])
@@ -384,6 +406,8 @@ def run_job(*,
     metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=spec_gamma,
                                           sampling=sampling, cost=cost, tree=tree,
                                           reference_metrics=reference_metrics)
+    if policy_record is not None:
+      metrics['tree_policy'] = policy_record
     metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
                       'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
                       'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
@@ -413,6 +437,44 @@ def run_job(*,
       raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
     warn(message)
   return metrics
+
+
+def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir,
+                  batch: inputs_lib.Batch | None, target, draft, *, gamma, sampling, seed,
+                  vocabulary, stream) -> tuple[Any, dict[str, Any]]:
+  """The tree a `@tree_policy()` job decodes with (None: the chain) and its metrics entry.
+
+  The choice is made once, on the first pending batch, and recorded in the output directory
+  (`outputs.TREE_POLICY`) before anything is decoded: a resumed job decodes with the tree its
+  first run chose (the fingerprint already holds the policy), and one with nothing left to
+  decode does not calibrate.
+  """
+  recorded = out.file(outputs_lib.TREE_POLICY)
+  if os.path.exists(recorded):
+    with open(recorded, encoding='utf-8') as f:
+      entry = json.load(f)
+    if entry.get('chosen') in policy.candidates:
+      print(f"Tree policy: decoding with {entry['chosen']}, as chosen when this job started"
+            f' ({recorded}).', file=stream, flush=True)
+      return policy.candidates[entry['chosen']], entry
+  if batch is None:
+    return None, {'chosen': None, 'note': 'nothing was left to decode, so no calibration ran'}
+  rows = min(policy.calibration_rows, batch.num_real)
+  trees = sum(tree is not None for tree in policy.candidates.values())
+  print(f'Tree policy: timing the baseline, the chain and {trees} tree(s) on {rows} row(s) ×'
+        f' {policy.calibration_tokens} tokens ({policy.repeats} timed repeats, each compiled'
+        ' first) …', file=stream, flush=True)
+  try:
+    choice = tree_policy_lib.choose(
+        policy, target, draft, batch.tokens[:batch.num_real], batch.lengths[:batch.num_real],
+        gamma=gamma, sampling=sampling, eos_id=list(vocabulary.end_ids) or None,
+        pad_id=vocabulary.pad_id, seed=seed + batch.examples[0].example.index)
+  except ValueError as e:
+    raise JobError(f'run_job.tree = @tree_policy(): {e}') from None
+  print(f'Tree policy: chose {choice.summary()}.', file=stream, flush=True)
+  entry = choice.to_dict()
+  outputs_lib.write_json_atomic(recorded, entry)
+  return choice.tree, entry
 
 
 def _cost_context(encoded, max_new_tokens: int) -> int:

@@ -11,7 +11,7 @@ job loads things in a fixed order and turns a user's mistake into one clear line
                 smollm2_chat_vocabulary, checkpoint_tokenizer, checkpoint_chat_vocabulary
   datasets      file_dataset (`speclm.data.inputs.read_examples`), synthetic_dataset,
                 seqio_dataset, builtin_prompts_dataset
-  settings      sampling_config, gamma_for_temperature, token_tree, dynamic_tree,
+  settings      sampling_config, gamma_for_temperature, token_tree, dynamic_tree, tree_policy,
                 T5Config (configs/models/*.gin),
                 partitioning.Partitioner and its axis rules, partitioning.initialize_distributed
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gin
 import jax
@@ -31,6 +31,7 @@ from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import text
 from speclm import token_trees
+from speclm.analysis import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks
 from speclm.data import vocab as vocab_lib
@@ -109,6 +110,42 @@ def dynamic_tree(num_nodes: int = 16, depth: int = 5, top_k: int = 4,
                  width: int = 4) -> token_trees.DynamicTree:
   """EAGLE-2's dynamic token tree for `run_job.tree` (see `speclm.token_trees.DynamicTree`)."""
   return token_trees.DynamicTree(num_nodes=num_nodes, depth=depth, top_k=top_k, width=width)
+
+
+@gin.configurable
+def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: int = 2,
+                calibration_tokens: int = 32, repeats: int = 2) -> tree_policy_lib.TreePolicy:
+  """`run_job.tree = @tree_policy()`: at start-up the job decodes its first
+  `calibration_rows` rows with the baseline, the chain (its GAMMA) and every candidate tree,
+  `calibration_tokens` tokens each (one untimed warm-up, then `repeats` timed, interleaved
+  calls), and decodes everything with the fastest as measured (`speclm.analysis.tree_policy`).
+
+  `candidates`: name -> a tree (`@a/token_tree()`, `@dynamic_tree()`), rank paths
+  (`[[0], [1], [0, 0]]`) or None (the chain); the chain is always added. Default: the chain,
+  'paths3', 'paths4' and 'dynamic8' (`tree_policy.default_candidates`).
+  """
+  if candidates is None:
+    candidates = tree_policy_lib.default_candidates()
+  elif not isinstance(candidates, Mapping):
+    raise JobError('tree_policy.candidates must be a dict name -> tree (e.g. {"paths3":'
+                   f' [[0], [1], [0, 0]], "eagle": @dynamic_tree()}}), got {candidates!r}.')
+  else:
+    built = {}
+    for name, tree in candidates.items():
+      if callable(tree):  # a provider reference (@a/token_tree) given uncalled
+        tree = tree()
+      elif isinstance(tree, (list, tuple)):  # rank paths
+        try:
+          tree = token_trees.TreeShape.from_paths(tree)
+        except (TypeError, ValueError) as e:
+          raise JobError(f'tree_policy.candidates[{name!r}]: {e}') from None
+      built[name] = tree
+    candidates = built
+  try:
+    return tree_policy_lib.TreePolicy(candidates, calibration_rows=calibration_rows,
+                                      calibration_tokens=calibration_tokens, repeats=repeats)
+  except ValueError as e:
+    raise JobError(f'tree_policy: {e}') from None
 
 
 @gin.configurable

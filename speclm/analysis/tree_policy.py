@@ -1,0 +1,315 @@
+"""A job's choice between token trees and the chain, by measured speed on its own prompts.
+
+Whether a token tree beats the chain depends on the machine, the model pair and the prompts:
+a tree keeps more tokens per target call, but each round drafts more and verifies a wider
+call. Predicting that from per-rank acceptance measured elsewhere and from isolated call
+timings (`theory.choose_tree`) can be wrong both ways: the rates differ between prompt sets,
+and a timed `extend` call misses the decode loop's own per-round work. So the policy here
+measures instead of predicting:
+
+  1. Take the first `calibration_rows` rows of the job's prompts.
+  2. Decode them with the baseline (`autoregressive_decode`) and with every candidate (the
+     chain, `speculative_decode` with the job's γ, is always one), `calibration_tokens` new
+     tokens each: first one untimed call per candidate (compilation and warm-up), then
+     `repeats` timed calls, interleaved across candidates (`benchmarking.interleaved_rounds`)
+     so a slow period of a shared machine hits them all alike.
+  3. Pick the candidate with the fewest measured seconds per generated token (ties: the chain,
+     then fewer nodes). The chain is always measured, so the pick is never slower than the
+     chain as measured.
+
+The tree theory's predictions (`theory.tree_expected_tokens`, and with c and r given
+`theory.tree_walltime_improvement`) from the measured rates are kept in the table, as a
+report column only.
+
+    policy = TreePolicy({'paths3': TreeShape.from_paths([(0,), (1,), (0, 0)])})
+    choice = choose(policy, target, draft, prompts, lengths, gamma=3)
+    choice.tree      # None: the chain (speculative_decode with γ = 3); else the tree to use
+    choice.rows      # the measured table (JSON-ready dicts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from speclm import decoding
+from speclm import sampling as sampling_lib
+from speclm import token_trees
+from speclm import tree_decoding
+from speclm.analysis import benchmarking
+from speclm.analysis import theory
+
+CHAIN = 'chain'  # the name under which the plain chain is added when the candidates lack it
+BASELINE = 'baseline'
+
+
+def default_candidates() -> dict[str, token_trees.TreeShape | token_trees.DynamicTree | None]:
+  """The candidates of `@tree_policy()`: the chain, two small static trees and a small EAGLE-2
+  tree (the cheapest trees of docs/tree_benchmarks.md)."""
+  return {
+      CHAIN: None,
+      'paths3': token_trees.TreeShape.from_paths([(0,), (1,), (0, 0)]),
+      'paths4': token_trees.TreeShape.from_paths([(0,), (1,), (0, 0), (0, 0, 0)]),
+      'dynamic8': token_trees.DynamicTree(8, depth=4, top_k=3, width=2),
+  }
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f'TreePolicy.{name} must be an integer >= 1, got {value!r}.')
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePolicy:
+  """Choose between token trees and the chain by measured speed (see the module docstring).
+
+  Attributes:
+    candidates: ordered mapping name -> `TreeShape`, `DynamicTree` or None (the plain chain,
+      `speculative_decode` with the job's γ). The chain is added first, as 'chain', when no
+      candidate is None, so it is always measured.
+    calibration_rows: rows of the prompt batch decoded (its first ones; fewer if it has fewer).
+    calibration_tokens: new tokens per calibration decode.
+    repeats: timed decodes per candidate (after one untimed warm-up decode).
+  """
+
+  candidates: Mapping[str, token_trees.TreeShape | token_trees.DynamicTree | None]
+  calibration_rows: int = 2
+  calibration_tokens: int = 32
+  repeats: int = 2
+
+  def __post_init__(self):
+    if not isinstance(self.candidates, Mapping) or not self.candidates:
+      raise ValueError('TreePolicy.candidates must be a non-empty mapping name -> tree (a'
+                       ' TreeShape, a DynamicTree, or None for the chain), got'
+                       f' {self.candidates!r}.')
+    candidates = {}
+    for name, tree in self.candidates.items():
+      if not isinstance(name, str) or not name or name == BASELINE:
+        raise ValueError(f'TreePolicy.candidates: names must be non-empty strings other than'
+                         f' {BASELINE!r}, got {name!r}.')
+      if tree is not None and not isinstance(tree, (token_trees.TreeShape,
+                                                    token_trees.DynamicTree)):
+        raise ValueError(f'TreePolicy.candidates[{name!r}] must be a TreeShape, a DynamicTree'
+                         f' or None (the chain), got {tree!r}.')
+      candidates[name] = tree
+    if None not in candidates.values():
+      if CHAIN in candidates:
+        raise ValueError(f'TreePolicy.candidates names a tree {CHAIN!r}, the name of the chain'
+                         ' the policy always measures; rename it or add the chain (None).')
+      candidates = {CHAIN: None, **candidates}
+    object.__setattr__(self, 'candidates', candidates)
+    for name in ('calibration_rows', 'calibration_tokens', 'repeats'):
+      object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+
+  def describe(self) -> str:
+    return (f'tree policy over {", ".join(self.candidates)} ({self.calibration_rows} rows,'
+            f' {self.calibration_tokens} tokens, {self.repeats} timed repeats)')
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyChoice:
+  """What `choose` measured and chose.
+
+  Attributes:
+    name: the chosen candidate's name.
+    tree: the chosen tree; None for the chain (`speculative_decode` with the job's γ).
+    rows: one dict per decode timed, the baseline first, then the candidates in order: name,
+      kind ('baseline', 'chain', 'static tree', 'dynamic tree'), description, nodes,
+      seconds (each timed repeat), seconds_per_token (median), speedup (over the baseline,
+      median of per-repeat ratios), tokens_per_call, tokens_per_round, alpha,
+      rank_acceptance (trees), predicted_tokens_per_round and predicted_speedup (the theory,
+      from the measured rates; None where it has none), identical_to_baseline (greedy only),
+      warmup_s (the untimed first call: compilation), chosen.
+    calibration: rows, tokens, repeats, and seconds (the calibration's wall time).
+  """
+
+  name: str
+  tree: token_trees.TreeShape | token_trees.DynamicTree | None
+  rows: list[dict[str, Any]]
+  calibration: dict[str, Any]
+
+  def row(self, name: str) -> dict[str, Any]:
+    return next(row for row in self.rows if row['name'] == name)
+
+  def to_dict(self) -> dict[str, Any]:
+    """For metrics.json: the choice, how it was calibrated and the measured table."""
+    return {'chosen': self.name, 'chosen_description': self.row(self.name)['description'],
+            'calibration': dict(self.calibration), 'candidates': [dict(r) for r in self.rows]}
+
+  def summary(self) -> str:
+    """One line: the choice, its measured speedup and the chain's."""
+    chain = next(r for r in self.rows if r['kind'] == 'chain')
+    line = (f'{self.name} ({_fmt(self.row(self.name)["speedup"])}× the baseline'
+            f' on {self.calibration["rows"]} rows × {self.calibration["tokens"]} tokens')
+    if chain['name'] != self.name:
+      line += f'; chain {_fmt(chain["speedup"])}×'
+    return line + ')'
+
+  def markdown(self) -> list[str]:
+    """The measured table as markdown lines."""
+    lines = ['| candidate | nodes | ms / token | speedup | tokens / call | tokens / round |'
+             ' α | acceptance by rank | theory: tokens / round | theory: speedup |'
+             ' warm-up s | chosen |', '|' + ' --- |' * 12]
+    for row in self.rows:
+      rates = row['rank_acceptance']
+      lines.append(
+          f'| {row["name"]} | {row["nodes"] if row["nodes"] is not None else "—"} |'
+          f' {1e3 * row["seconds_per_token"]:.1f} | {_fmt(row["speedup"])} |'
+          f' {_fmt(row["tokens_per_call"])} | {_fmt(row["tokens_per_round"])} |'
+          f' {_fmt(row["alpha"], ".3f")} |'
+          f' {" ".join(f"{a:.2f}" for a in rates) if rates else "—"} |'
+          f' {_fmt(row["predicted_tokens_per_round"])} | {_fmt(row["predicted_speedup"])} |'
+          f' {row["warmup_s"]:.1f} | {"yes" if row["chosen"] else ""} |')
+    return lines
+
+
+def _fmt(x: float | None, spec: str = '.2f') -> str:
+  return '—' if x is None else format(x, spec)
+
+
+def _finite(x) -> float | None:
+  x = float(x)
+  return x if math.isfinite(x) else None
+
+
+def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
+           sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
+           eos_id: int | Sequence[int] | None = None, seed: int = 0, pad_id: int = 0,
+           c: float | None = None, r: Mapping[str, float] | None = None,
+           progress: Callable[[str], Any] | None = None) -> PolicyChoice:
+  """Decodes the first rows of `prompts` with every candidate and returns the fastest.
+
+  Args:
+    policy: the candidates and the calibration's size.
+    target, draft: the models (`speclm.Model`).
+    prompts, lengths: right-padded prompts `[B, P]` and their lengths `[B]`; the first
+      `policy.calibration_rows` rows are decoded.
+    gamma: the chain's γ.
+    sampling, eos_id, seed, pad_id: as in `speculative_decode` (timed repeat k uses seed + k).
+    c, r: optional, for the theory's predicted speedup column only: c, and r per candidate
+      name (its verification cost relative to a 1-token call).
+    progress: called with a line per warmed-up decode (e.g. `print`).
+
+  Returns:
+    The `PolicyChoice`: the candidate with the fewest measured seconds per generated token.
+  """
+  gamma = decoding.check_gamma(gamma)
+  prompts, lengths = np.asarray(prompts), np.asarray(lengths)
+  if prompts.ndim != 2 or prompts.shape[0] < 1:
+    raise ValueError(f'prompts must be [B, P] with B >= 1, got shape {prompts.shape}.')
+  rows = min(policy.calibration_rows, prompts.shape[0])
+  tokens, token_lengths = prompts[:rows], lengths[:rows]
+  decodes = {BASELINE: functools.partial(decoding.autoregressive_decode, target)}
+  for name, tree in policy.candidates.items():
+    decodes[name] = (functools.partial(decoding.speculative_decode, target, draft, gamma=gamma)
+                     if tree is None else
+                     functools.partial(tree_decoding.tree_speculative_decode, target, draft,
+                                       tree=tree))
+  common = dict(sampling=sampling, max_new_tokens=policy.calibration_tokens, eos_id=eos_id,
+                pad_id=pad_id)
+
+  def runner(decode):
+    return lambda k: decode(tokens, token_lengths, seed=seed + k, **common)
+
+  started = time.perf_counter()
+  warmup_s = {}
+  for name, decode in decodes.items():  # compile and warm up, untimed
+    start = time.perf_counter()
+    jax.block_until_ready(runner(decode)(0))
+    warmup_s[name] = time.perf_counter() - start
+    if progress is not None:
+      progress(f'  {name}: compiled and warmed up in {warmup_s[name]:.1f}s')
+  results = {name: [] for name in decodes}
+
+  def record(_, __, outputs):
+    for name, out in zip(decodes, outputs):
+      results[name].append(jax.device_get(out))
+
+  seconds = dict(zip(decodes, benchmarking.interleaved_rounds(
+      [runner(d) for d in decodes.values()], policy.repeats, after_round=record)))
+
+  per_token = {name: [s / max(int(np.sum(out.lengths)), 1)
+                      for s, out in zip(seconds[name], results[name])] for name in decodes}
+  base_outputs = [out.to_lists() for out in results[BASELINE]]
+  table = []
+  for name in decodes:
+    tree = None if name == BASELINE else policy.candidates[name]
+    row = _row(name, tree, gamma, results[name], base_outputs, sampling, c, r)
+    row.update(
+        seconds=[float(s) for s in seconds[name]],
+        seconds_per_token=float(statistics.median(per_token[name])),
+        speedup=float(statistics.median(
+            [b / t for b, t in zip(per_token[BASELINE], per_token[name])])),
+        warmup_s=float(warmup_s[name]), chosen=False)
+    table.append(row)
+  order = {name: i for i, name in enumerate(decodes)}
+  best = min(table[1:], key=lambda row: (row['seconds_per_token'], row['kind'] != 'chain',
+                                         row['nodes'], order[row['name']]))
+  best['chosen'] = True
+  # The table's keys in one order (JSON readers and markdown alike).
+  keys = ('name', 'kind', 'description', 'nodes', 'seconds', 'seconds_per_token', 'speedup',
+          'tokens_per_call', 'tokens_per_round', 'alpha', 'rank_acceptance',
+          'predicted_tokens_per_round', 'predicted_speedup', 'identical_to_baseline',
+          'warmup_s', 'chosen')
+  table = [{key: row[key] for key in keys} for row in table]
+  return PolicyChoice(
+      name=best['name'], tree=policy.candidates[best['name']], rows=table,
+      calibration={'rows': rows, 'tokens': policy.calibration_tokens,
+                   'repeats': policy.repeats, 'seconds': time.perf_counter() - started})
+
+
+def _row(name: str, tree, gamma: int, results: list[decoding.DecodeResult],
+         base_outputs: list[list[list[int]]], sampling, c, r) -> dict[str, Any]:
+  """The measured statistics of one decode (pooled over its timed repeats) and the theory's
+  predictions from them; everything but the timings."""
+  if name == BASELINE:
+    kind, description, nodes = 'baseline', 'autoregressive_decode', None
+  elif tree is None:
+    kind, description, nodes = 'chain', f'chain of γ={gamma} (speculative_decode)', gamma
+  else:
+    kind = 'static tree' if isinstance(tree, token_trees.TreeShape) else 'dynamic tree'
+    description, nodes = tree.describe(), tree.num_nodes
+  stats = [out.stats for out in results]
+  generated = sum(int(np.sum(out.lengths)) for out in results)
+  calls = sum(float(np.sum(s.target_calls_per_row)) for s in stats)
+  row = {'name': name, 'kind': kind, 'description': description, 'nodes': nodes,
+         'tokens_per_call': generated / max(calls, 1.0), 'tokens_per_round': None,
+         'alpha': None, 'rank_acceptance': None, 'predicted_tokens_per_round': None,
+         'predicted_speedup': None,
+         'identical_to_baseline': (all(out.to_lists() == base for out, base in
+                                       zip(results, base_outputs))
+                                   if sampling.is_greedy else None)}
+  if kind == 'baseline':
+    return row
+  histogram = sum(np.asarray(s.accepted_histogram, np.float64) for s in stats)
+  if histogram.sum() > 0:
+    row['tokens_per_round'] = float(np.sum((np.arange(len(histogram)) + 1) * histogram)
+                                    / histogram.sum())
+  count = sum(int(s.beta_count) for s in stats)
+  row['alpha'] = _finite(sum(float(s.beta_sum) for s in stats) / count) if count else None
+  cost_r = None if c is None or r is None else r.get(name)
+  if kind == 'chain':
+    if row['alpha'] is not None:
+      row['predicted_tokens_per_round'] = float(
+          theory.expected_tokens_per_iteration(row['alpha'], gamma))
+      if cost_r is not None:
+        row['predicted_speedup'] = float(theory.walltime_improvement(row['alpha'], gamma, c,
+                                                                     cost_r))
+    return row
+  offered = sum(np.asarray(s.rank_offered, np.float64) for s in stats)
+  accepted = sum(np.asarray(s.rank_accepted, np.float64) for s in stats)
+  rates = theory.rank_acceptance_rates(accepted, offered)
+  row['rank_acceptance'] = [float(a) for a in rates]
+  if kind == 'static tree' and np.sum(rates) <= 1:
+    row['predicted_tokens_per_round'] = theory.tree_expected_tokens(tree, rates)
+    if cost_r is not None:
+      row['predicted_speedup'] = theory.tree_walltime_improvement(tree, rates, c, cost_r)
+  return row

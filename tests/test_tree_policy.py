@@ -1,0 +1,101 @@
+"""The tree policy (speclm.analysis.tree_policy): it times the baseline, the chain and each
+candidate tree on the first rows and picks the fastest as measured.
+
+What this proves: the choice is the argmin of the table's own measured seconds per token (the
+timings are real: one per repeat, positive), the chain is always a candidate and is chosen when
+the trees are made slower by construction, the chosen decode's greedy output equals the
+baseline, and bad settings are refused with a message naming them.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+import speclm
+from speclm import token_trees
+from speclm import tree_decoding
+from speclm.analysis import tree_policy
+from speclm.models import llama
+
+PROMPTS = np.array([[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 0, 0, 0, 0], [5, 3, 5, 3, 5, 3, 0]],
+                   np.int32)
+LENGTHS = np.array([7, 3, 6], np.int32)
+PATHS3 = token_trees.TreeShape.from_paths([(0,), (1,), (0, 0)])
+
+
+@pytest.fixture(scope='module')
+def pair():
+  target = llama.random_model(vocab_size=32, embed_dim=32, num_layers=2, seed=1)
+  draft = llama.random_model(vocab_size=32, embed_dim=32, num_layers=1, seed=1)
+  return target, draft
+
+
+def _choose(pair, **kwargs):
+  target, draft = pair
+  policy = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2,
+                                  calibration_tokens=10, repeats=2)
+  return tree_policy.choose(policy, target, draft, PROMPTS, LENGTHS, gamma=3, **kwargs)
+
+
+def test_the_choice_is_the_fastest_measured_and_decodes_like_the_baseline(pair):
+  choice = _choose(pair, c=0.1, r={'chain': 1.2, 'paths3': 1.3})
+  names = [row['name'] for row in choice.rows]
+  assert names == ['baseline', 'chain', 'paths3']  # the chain added first
+  for row in choice.rows:
+    assert len(row['seconds']) == 2 and all(s > 0 for s in row['seconds'])
+    assert row['seconds_per_token'] > 0 and row['warmup_s'] > 0
+    assert row['identical_to_baseline'] is True  # greedy: every candidate equals the baseline
+  candidates = choice.rows[1:]
+  fastest = min(candidates, key=lambda row: row['seconds_per_token'])
+  assert choice.name == fastest['name'] and [r['chosen'] for r in candidates].count(True) == 1
+  assert choice.tree is (None if choice.name == 'chain' else PATHS3)
+  assert choice.calibration['rows'] == 2 and choice.calibration['seconds'] > 0
+  chain, tree = choice.row('chain'), choice.row('paths3')
+  assert chain['nodes'] == 3 and 0 <= chain['alpha'] <= 1 and chain['rank_acceptance'] is None
+  assert len(tree['rank_acceptance']) == 2 and tree['tokens_per_call'] >= 1
+  assert tree['predicted_tokens_per_round'] >= 1 and tree['predicted_speedup'] > 0
+  assert chain['predicted_speedup'] > 0 and choice.row('baseline')['speedup'] == 1.0
+  assert choice.to_dict()['chosen'] == choice.name and len(choice.markdown()) == 5
+  # The chosen decode, on every row, is the baseline's greedy output.
+  target, draft = pair
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=10)
+  if choice.tree is None:
+    out = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=3, max_new_tokens=10)
+  else:
+    out = tree_decoding.tree_speculative_decode(target, draft, PROMPTS, LENGTHS,
+                                                tree=choice.tree, max_new_tokens=10)
+  np.testing.assert_array_equal(out.tokens, base.tokens)
+
+
+def test_slower_trees_lose_to_the_chain(pair, monkeypatch):
+  """Every tree decode made 50 ms slower (really: it sleeps): the chain wins, as measured."""
+  real = tree_decoding.tree_speculative_decode
+
+  def slow(*args, **kwargs):
+    result = real(*args, **kwargs)
+    time.sleep(0.05)
+    return result
+
+  monkeypatch.setattr(tree_decoding, 'tree_speculative_decode', slow)
+  choice = _choose(pair)
+  assert choice.name == 'chain' and choice.tree is None
+  assert choice.row('paths3')['seconds_per_token'] > choice.row('chain')['seconds_per_token']
+  assert min(choice.row('paths3')['seconds']) >= 0.05
+
+
+def test_bad_settings_are_refused():
+  with pytest.raises(ValueError, match='non-empty mapping'):
+    tree_policy.TreePolicy({})
+  with pytest.raises(ValueError, match='calibration_rows must be an integer >= 1'):
+    tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=0)
+  with pytest.raises(ValueError, match='repeats'):
+    tree_policy.TreePolicy({'paths3': PATHS3}, repeats=0)
+  with pytest.raises(ValueError, match=r"candidates\['three'\] must be a TreeShape"):
+    tree_policy.TreePolicy({'three': 3})
+  with pytest.raises(ValueError, match='the name of the chain'):
+    tree_policy.TreePolicy({'chain': PATHS3})
+  policy = tree_policy.TreePolicy({'mine': None, 'paths3': PATHS3})
+  assert list(policy.candidates) == ['mine', 'paths3']  # the chain given: not added again
+  assert list(tree_policy.TreePolicy(tree_policy.default_candidates()).candidates) == [
+      'chain', 'paths3', 'paths4', 'dynamic8']
