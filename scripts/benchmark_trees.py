@@ -13,17 +13,17 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
     milliseconds per token and the speedup over the baseline (median of per-round ratios),
     and whether the greedy output equals the baseline's;
   * the policy (`--policy`): the job's `@tree_policy()` (`speclm.analysis.tree_policy`, its
-    default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a job calibrates on
-    its first batch: on the first 2 of the decoded prompts (one batch of 2), 32 new tokens
-    (at most `--max_new_tokens`), one untimed and 2 timed interleaved decodes per candidate;
+    default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a batch-1 job
+    calibrates on its first batch: on the first decoded prompt, 32 new tokens (at most
+    `--max_new_tokens`), one untimed and 3 timed interleaved decodes per candidate;
     its measured table (the tree theory's predictions beside it, with c and r timed here) and
     the chosen tree (or chain) decoded as one more case;
   * r for trees of 4–32 nodes: one target `extend_tree` call over the tree / one 1-token
     `extend` call, at the prompts' mean context.
 
 Prompts: the built-in demo prompts (`--prompts=demo`) or the held-out ones (`heldout`), both
-shipped with speclm; the fixed trees were chosen on neither (the policy sees the first 2 of
-them, as a job's policy sees its first batch). It writes docs/tree_benchmarks.md:
+shipped with speclm; the fixed trees were chosen on neither (the policy sees the first of
+them, as a batch-1 job's policy sees its first batch). It writes docs/tree_benchmarks.md:
 
   python scripts/benchmark_trees.py                    # the full run (about an hour here)
   python scripts/benchmark_trees.py --rounds=1 --max_new_tokens=8 --target_layers=1 \
@@ -162,10 +162,11 @@ def theory_costs(target, draft, context) -> tuple[float, dict[str, float]]:
 
 
 def run_policy(target, draft, tok, prompts, context) -> dict:
-  """The job's policy per temperature, calibrated on the first decoded prompts (one batch):
-  {temperature: PolicyChoice}."""
-  policy = dataclasses.replace(POLICY, calibration_tokens=min(POLICY.calibration_tokens,
-                                                              _MAX_NEW.value))
+  """The job's policy per temperature, calibrated as a batch-1 job calibrates (the cases
+decode one prompt at a time): on the first decoded prompt, with 3 timed repeats instead of 2
+against the noise of one row. {temperature: PolicyChoice}."""
+  policy = dataclasses.replace(POLICY, calibration_rows=1, repeats=3,
+                               calibration_tokens=min(POLICY.calibration_tokens, _MAX_NEW.value))
   tokens, lengths = benchmarking.chat_prompt_batch(tok, prompts[:policy.calibration_rows])
   c, r = theory_costs(target, draft, context)
   choices = {}
@@ -184,8 +185,8 @@ def policy_lines(choices, cases) -> list[str]:
     return []
   first = next(iter(choices.values())).calibration
   lines = ['## The policy: `@tree_policy()` chooses by measured speed', '',
-           f'The job\'s default policy, calibrated as a job does on its first batch: the first'
-           f' {first["rows"]} decoded prompts in one batch, {first["tokens"]} new tokens, one'
+           f'The job\'s default policy, calibrated as a batch-1 job does on its first batch: the'
+           f' first {first["rows"]} decoded prompt(s), {first["tokens"]} new tokens, one'
            f' untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
            ' (`speclm.analysis.tree_policy.choose`). It picks the fewest measured ms / token'
            ' (the chain is always a candidate). The theory columns use the measured rates with'
