@@ -23,7 +23,7 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--rounds=1',
        '--max_new_tokens=6', '--batch_size=2', '--ablations=false', '--max_gamma=2',
-       '--target_layers=1',
+       '--target_layers=1', '--other_gammas=1',  # one more fixed γ: each costs compilations
        f'--output={report}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -42,6 +42,9 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
   assert '- greedy adaptive γ = baseline, batch 1: yes' in text
   assert '- greedy adaptive γ = baseline, batch 2: yes' in text
   assert '| adaptive γ / fixed γ, T=0, batch 1 |' in text
+  assert '| speclm speculative γ=1 |' in text
+  assert '- greedy speculative γ=1 = baseline, batch 1: yes' in text
+  assert '| adaptive γ / best fixed γ (γ=' in text
   assert '- HF assisted = HF generate() (greedy): yes' in text
   assert 'NO' not in text.split('## Exactness checks')[1]
 
