@@ -640,8 +640,9 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   drafts 1/(max_skip+1) on average) so that `AdaptiveGamma.round_cost(γ)` returns the
   measured round cost. r(0) > 1 then holds the γ = 0 round's overhead over a plain step.
 
-  Every loop compiles once (γ_max + 2 compilations); `measure_adaptive_gamma` caches the
-  result per machine.
+  The forced rules differ only in their costs, which reach the loop as an array, so the
+  γ_max + 1 runs share one compilation (the baseline and the prefill have their own);
+  `measure_adaptive_gamma` caches the result per machine.
   """
   if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
     raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')
@@ -667,7 +668,7 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
           *[lambda loop=loop: loop().tokens for loop in loops]]
   jax.block_until_ready(runs[1]())  # compile and warm up (the draft runner already is)
   jax.block_until_ready(runs[2]())
-  rounds = [int(loop().stats.target_calls) - 1 for loop in loops]  # (compiles each loop)
+  rounds = [int(loop().stats.target_calls) - 1 for loop in loops]  # also warms them up
   seconds = benchmarking.interleaved_rounds([lambda _, run=run: run() for run in runs], repeats)
   draft_s, prefill_s, baseline_s, *loop_s = (float(np.median(s)) for s in seconds)
   step = max(baseline_s - prefill_s, 1e-9) / num_new_tokens  # one baseline token

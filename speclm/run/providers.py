@@ -133,7 +133,7 @@ def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: i
     built = {}
     for name, tree in candidates.items():
       if callable(tree):  # a provider reference (@a/token_tree) given uncalled
-        tree = tree()
+        tree = provide(tree, f'tree_policy.candidates[{name!r}]')
       elif isinstance(tree, (list, tuple)):  # rank paths
         try:
           tree = token_trees.TreeShape.from_paths(tree)
