@@ -26,6 +26,15 @@ if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
   _CACHE_DIR = tempfile.mkdtemp(prefix='speclm-tests-jax-cache-')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+# Measured adaptive-γ costs (`measure.cost_cache_dir`) and the CPU kernel's build
+# (`cpu_matmul.library_path`) go to directories of this session too, removed at its end: a test
+# run neither reads what earlier runs or jobs on this machine left in ~/.cache/speclm (a cached
+# timing would skip the calibration a fresh CI machine has to run) nor writes there.
+for _variable, _prefix in (('SPECLM_COST_CACHE', 'speclm-tests-costs-'),
+                           ('SPECLM_KERNEL_CACHE', 'speclm-tests-kernels-')):
+  if not os.environ.get(_variable):
+    os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+    atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
 # XLA's CPU backend without LLVM's optimisation passes: compiling, which dominates the suite,
 # takes about half the time, and the small programs run about as fast. The semantics are
 # the same (the tests compare programs built alike, or to tolerances); the benchmarks, the
