@@ -89,6 +89,11 @@ _LOOKUP_MIN_NGRAM = flags.DEFINE_integer(
 _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
 _ADAPTIVE = flags.DEFINE_bool('adaptive', True, 'Include the adaptive-γ cases.')
 _MAX_GAMMA = flags.DEFINE_integer('max_gamma', 4, 'γ_max of the adaptive cases.')
+_COST_TOKENS = flags.DEFINE_integer(
+    'cost_tokens', 32, 'New tokens per timed decode when c and r(γ) are timed for the adaptive'
+    ' cases (`measure.measure_round_costs`); fewer for a smoke run.')
+_COST_REPEATS = flags.DEFINE_integer(
+    'cost_repeats', 3, 'Timed repeats when c and r(γ) are timed for the adaptive cases.')
 _DRAFT_STOPPING = flags.DEFINE_bool('draft_stopping', False,
                                     'Adaptive cases: the draft stops on its own confidence.')
 _WORKLOAD = flags.DEFINE_enum('workload', 'demo', ['demo', 'spec_bench'],
@@ -410,7 +415,9 @@ def main(argv):
     print('timing c and r(γ) for the adaptive cases (cached per machine) …', flush=True)
     rules = {b: measure.measure_adaptive_gamma(target, draft, max_gamma=_MAX_GAMMA.value,
                                                batch_size=b, context_length=context,
-                                               draft_stopping=_DRAFT_STOPPING.value)
+                                               draft_stopping=_DRAFT_STOPPING.value,
+                                               num_new_tokens=_COST_TOKENS.value,
+                                               repeats=_COST_REPEATS.value)
              for b in (1, _BATCH.value)}
 
   xla_models = (plain_target, xla_draft) if _CPU_KERNELS.value and _ABLATIONS.value else None

@@ -24,6 +24,7 @@ def test_benchmark_smoke_run_writes_its_report(tmp_path):
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--rounds=1',
        '--max_new_tokens=6', '--batch_size=2', '--ablations=false', '--max_gamma=2',
        '--target_layers=1', '--other_gammas=1',  # one more fixed γ: each costs compilations
+       '--cost_tokens=4', '--cost_repeats=1',  # the adaptive costs' timing: as short as it gets
        f'--output={report}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
   assert done.returncode == 0, done.stderr[-3000:]

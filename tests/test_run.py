@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import gin
 import jax
@@ -157,6 +158,39 @@ def test_compare_job_with_a_tree_policy(tmp_path):
                            ("GAMMA = 'adaptive'", 'exclude each other')]:
     with pytest.raises(run.JobError, match=message):
       run_tiny(tmp_path / 'bad', 'run_job.tree = @tree_policy()', binding)
+
+
+def test_a_tree_policy_that_allows_the_baseline_can_turn_speculation_off(tmp_path,
+                                                                         monkeypatch):
+  """`tree_policy.allow_baseline = True` with every speculative decode made slower (it
+  sleeps): the job decodes its 'speculative' method without a draft, says so in metrics.json,
+  and a resume keeps that choice."""
+  from speclm import decoding  # pylint: disable=import-outside-toplevel
+  real = decoding.speculative_decode
+
+  def slow(*args, **kwargs):
+    result = real(*args, **kwargs)
+    time.sleep(0.2)
+    return result
+
+  monkeypatch.setattr(decoding, 'speculative_decode', slow)
+  policy = ('run_job.tree = @tree_policy()', 'tree_policy.candidates = {"mine": None}', 'tree_policy.allow_baseline = True',
+            'tree_policy.calibration_rows = 4', 'tree_policy.calibration_tokens = 12',
+            'tree_policy.repeats = 1', 'synthetic_dataset.num_examples = 4',
+            'run_job.measure_cost = False')  # the job's own batch shape: one compilation
+  metrics = run_tiny(tmp_path, *policy)
+  assert metrics['tree_policy']['chosen'] == 'baseline'
+  assert metrics['speculation'].startswith('off')
+  records = outputs.read_predictions(str(tmp_path / 'predictions.jsonl'))
+  assert all(r['speculative']['accepted'] == 0 and r['identical'] for r in records)
+  lines = (tmp_path / 'predictions.jsonl').read_text().splitlines(keepends=True)
+  (tmp_path / 'predictions.jsonl').write_text(''.join(lines[:2]))
+  again = run_tiny(tmp_path, *policy)
+  assert again['tree_policy'] == metrics['tree_policy'] and again['speculation'] == (
+      metrics['speculation'])
+  with pytest.raises(run.JobError, match='allow_baseline must be True or False'):
+    run_tiny(tmp_path / 'bad', 'run_job.tree = @tree_policy()',
+             "tree_policy.allow_baseline = 'yes'")
 
 
 def test_per_batch_prediction_follows_each_batchs_slowest_row():

@@ -16,7 +16,6 @@ import speclm
 from speclm.kernels import cpu_matmul
 from speclm.models import llama
 from speclm.models import lookup
-from speclm.models import ngram
 from speclm.presets import smollm2
 
 pytestmark = pytest.mark.skipif(
@@ -27,16 +26,6 @@ PROMPTS = ['What is the capital of France?',
            'Write a Python function that returns the square of a number.']
 MAX_NEW = 16
 GAMMA = 4
-
-# A little English for the n-gram drafts (the prompts' own replies are not in it).
-CORPUS_TEXT = """
-The capital of a country is the city where its government sits. Paris is the capital of
-France, and it is famous for the Eiffel Tower, the Louvre museum and its cafes. A function in
-Python is defined with the def keyword, takes arguments, and returns a value with return.
-For example, def square(x): return x * x returns the square of a number. Numbers can be
-squared with the ** operator as well. The quick brown fox jumps over the lazy dog.
-"""
-
 
 @pytest.fixture(scope='module')
 def smol():
@@ -174,22 +163,19 @@ def test_baseline_gives_text(smol, baseline):
   assert np.all(np.asarray(baseline.lengths) == MAX_NEW)
 
 
-def _draft(kind, vocab_size, tok):
-  corpus = [tok.encode(line) for line in CORPUS_TEXT.strip().split('\n')]
-  if kind == 'unigram':
-    return ngram.estimate_unigram(corpus, vocab_size)
-  if kind == 'bigram':
-    return ngram.estimate_bigram(corpus, vocab_size, max_successors=8)
+def _draft(kind, vocab_size):
   if kind == 'lookup':
     return lookup.prompt_lookup(vocab_size)
   return llama.random_model(vocab_size=vocab_size, embed_dim=32, num_layers=1, num_heads=2,
                             num_kv_heads=1, seed=0)  # a stand-in for a trained small draft
 
 
-@pytest.mark.parametrize('kind', ['unigram', 'bigram', 'lookup', 'small_llama'])
+# The n-gram drafts' greedy equality is proven on small models (test_drafts.py); here the
+# real model runs with the demo's lookup and a small Llama (each kind compiles SmolLM2's loop).
+@pytest.mark.parametrize('kind', ['lookup', 'small_llama'])
 def test_greedy_speculative_equals_baseline(smol, batch, baseline, kind):
-  model, tok = smol
-  draft = _draft(kind, model.vocab_size, tok)
+  model, _ = smol
+  draft = _draft(kind, model.vocab_size)
   result = speclm.speculative_decode(model, draft, *batch, gamma=GAMMA, max_new_tokens=MAX_NEW)
   assert result.to_lists() == baseline.to_lists()
   assert 0.0 <= result.stats.alpha <= 1.0

@@ -84,7 +84,35 @@ def test_slower_trees_lose_to_the_chain(pair, monkeypatch):
   assert min(choice.row('paths3')['seconds']) >= 0.05
 
 
+def test_the_baseline_is_chosen_only_when_allowed_and_faster(pair, monkeypatch):
+  """Every speculative decode (chain and tree) made 50 ms slower: with `allow_baseline` the
+  job decodes without speculation; without it the policy still picks among the candidates."""
+  for module, name in ((tree_decoding, 'tree_speculative_decode'),
+                       (speclm.decoding, 'speculative_decode')):
+    real = getattr(module, name)
+
+    def slow(*args, _real=real, **kwargs):
+      result = _real(*args, **kwargs)
+      time.sleep(0.05)
+      return result
+
+    monkeypatch.setattr(module, name, slow)
+  target, draft = pair
+  allowed = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2,
+                                   calibration_tokens=10, repeats=2, allow_baseline=True)
+  choice = tree_policy.choose(allowed, target, draft, PROMPTS, LENGTHS, gamma=3)
+  assert choice.name == 'baseline' and choice.tree is None and not choice.speculate
+  assert choice.row('baseline')['chosen'] and choice.to_dict()['chosen'] == 'baseline'
+  assert all(row['speedup'] < 1 for row in choice.rows[1:])
+  assert choice.summary().startswith('the baseline, no speculation')
+  assert 'baseline' in allowed.describe()
+  choice = _choose(pair)  # the same slowdown, the baseline not allowed
+  assert choice.name in ('chain', 'paths3') and choice.speculate
+
+
 def test_bad_settings_are_refused():
+  with pytest.raises(ValueError, match='allow_baseline must be True or False'):
+    tree_policy.TreePolicy({'paths3': PATHS3}, allow_baseline='yes')
   with pytest.raises(ValueError, match='non-empty mapping'):
     tree_policy.TreePolicy({})
   with pytest.raises(ValueError, match='calibration_rows must be an integer >= 1'):

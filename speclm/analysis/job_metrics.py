@@ -273,8 +273,10 @@ def summary(metrics: dict[str, Any]) -> str:
                                                   '.2f'))])]
   if (metrics.get('tree_policy') or {}).get('chosen'):
     policy = metrics['tree_policy']
-    rows.append(('tree policy', f"chose {policy['chosen']} of"
-                                f" {len(policy['candidates']) - 1} (timed on"
+    chosen = ('the baseline, no speculation: no candidate beat it,'
+              if policy['chosen'] == 'baseline' else policy['chosen'] + ' of'
+              f" {len(policy['candidates']) - 1}")
+    rows.append(('tree policy', f"chose {chosen} (timed on"
                                 f" {policy['calibration']['rows']} rows at start-up)"))
   if 'speedup' in metrics:
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),

@@ -683,9 +683,11 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   return c, tuple(float(r) for r in verify)
 
 
-def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_skip=3) -> str:
+def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_skip=3,
+                    **timing) -> str:
   """What the timings depend on: this machine, the software, the models' definitions and
-  parameter shapes, the batch size, γ_max and the context."""
+  parameter shapes, the batch size, γ_max and the context (and `timing`, the timing's own
+  settings where they are not the defaults)."""
   def shapes(model):
     return [(str(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(model.params)]
   description = json.dumps({
@@ -697,6 +699,7 @@ def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_sk
       'batch_size': batch_size, 'max_gamma': max_gamma, 'context_length': context_length,
       'max_skip': max_skip,
       'method': 'whole rounds',  # files from isolated call timings are not reused
+      **({'timing': timing} if timing else {}),
   }, sort_keys=True)
   return hashlib.sha256(description.encode()).hexdigest()[:24]
 
@@ -709,18 +712,24 @@ def cost_cache_dir() -> str:
 
 def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
                            batch_size: int = 1, context_length: int = 64,
-                           use_cache: bool = True, **rule_kwargs) -> adaptive.AdaptiveGamma:
+                           use_cache: bool = True, num_new_tokens: int = 32, repeats: int = 3,
+                           **rule_kwargs) -> adaptive.AdaptiveGamma:
   """An `adaptive.AdaptiveGamma` rule with c and r(γ) timed for these models and batch size.
 
   The timings are cached (`cost_cache_dir()`, one JSON file per machine, model pair, batch size,
   γ_max and context; see `_cost_cache_key`), so a job measures them once per machine. A
   cache file that does not parse is measured again and rewritten. c and r are timed on whole
-  rounds of the adaptive loop (`measure_round_costs`). `rule_kwargs` go to `AdaptiveGamma`
-  (prior_alpha, prior_weight, decay, draft_stopping, max_skip).
+  rounds of the adaptive loop (`measure_round_costs`, with `num_new_tokens` and `repeats`; a
+  shorter timing than the default, e.g. for a smoke run, is cached under its own key).
+  `rule_kwargs` go to `AdaptiveGamma` (prior_alpha, prior_weight, decay, draft_stopping,
+  max_skip).
   """
   max_skip = rule_kwargs.get('max_skip', 3)
+  timing = {} if (num_new_tokens, repeats) == (32, 3) else {
+      'num_new_tokens': num_new_tokens, 'repeats': repeats}
   path = os.path.join(cost_cache_dir(), _cost_cache_key(target, draft, max_gamma, batch_size,
-                                                        context_length, max_skip) + '.json')
+                                                        context_length, max_skip, **timing)
+                      + '.json')
   costs = None
   if use_cache and os.path.exists(path):
     try:
@@ -732,7 +741,8 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
       costs = None
   if costs is None:
     costs = measure_round_costs(target, draft, max_gamma=max_gamma, batch_size=batch_size,
-                                context_length=context_length, max_skip=max_skip)
+                                context_length=context_length, max_skip=max_skip,
+                                num_new_tokens=num_new_tokens, repeats=repeats)
     if use_cache:
       os.makedirs(path.rsplit(os.sep, 1)[0], exist_ok=True)
       temporary = f'{path}.{os.getpid()}.tmp'

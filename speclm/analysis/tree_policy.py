@@ -15,7 +15,11 @@ measures instead of predicting:
      so a slow period of a shared machine hits them all alike.
   3. Pick the candidate with the fewest measured seconds per generated token (ties: the chain,
      then fewer nodes). The chain is always measured, so the pick is never slower than the
-     chain as measured.
+     chain as measured. With `allow_baseline`, the baseline competes too: when no candidate
+     beat it, the job decodes without speculation (`PolicyChoice.speculate` is False), so
+     speculation never makes the job slower than plain decoding as measured — at large
+     batches on a CPU, where verifying γ + 1 tokens per row costs nearly γ + 1 steps, that is
+     the usual outcome.
 
 The tree theory's predictions (`theory.tree_expected_tokens`, and with c and r given
 `theory.tree_walltime_improvement`) from the measured rates are kept in the table, as a
@@ -78,12 +82,15 @@ class TreePolicy:
     calibration_rows: rows of the prompt batch decoded (its first ones; fewer if it has fewer).
     calibration_tokens: new tokens per calibration decode.
     repeats: timed decodes per candidate (after one untimed warm-up decode).
+    allow_baseline: the baseline (`autoregressive_decode`) may be chosen too, when it measured
+      faster than every candidate: the job then decodes without speculation.
   """
 
   candidates: Mapping[str, token_trees.TreeShape | token_trees.DynamicTree | None]
   calibration_rows: int = 2
   calibration_tokens: int = 32
   repeats: int = 2
+  allow_baseline: bool = False
 
   def __post_init__(self):
     if not isinstance(self.candidates, Mapping) or not self.candidates:
@@ -108,9 +115,13 @@ class TreePolicy:
     object.__setattr__(self, 'candidates', candidates)
     for name in ('calibration_rows', 'calibration_tokens', 'repeats'):
       object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+    if not isinstance(self.allow_baseline, bool):
+      raise ValueError(f'TreePolicy.allow_baseline must be True or False, got'
+                       f' {self.allow_baseline!r}.')
 
   def describe(self) -> str:
-    return (f'tree policy over {", ".join(self.candidates)} ({self.calibration_rows} rows,'
+    names = [*self.candidates, *([BASELINE] if self.allow_baseline else [])]
+    return (f'tree policy over {", ".join(names)} ({self.calibration_rows} rows,'
             f' {self.calibration_tokens} tokens, {self.repeats} timed repeats)')
 
 
@@ -119,8 +130,10 @@ class PolicyChoice:
   """What `choose` measured and chose.
 
   Attributes:
-    name: the chosen candidate's name.
-    tree: the chosen tree; None for the chain (`speculative_decode` with the job's γ).
+    name: the chosen candidate's name ('baseline' when the policy allowed it and no candidate
+      beat it).
+    tree: the chosen tree; None for the chain (`speculative_decode` with the job's γ) and for
+      the baseline.
     rows: one dict per decode timed, the baseline first, then the candidates in order: name,
       kind ('baseline', 'chain', 'static tree', 'dynamic tree'), description, nodes,
       seconds (each timed repeat), seconds_per_token (median), speedup (over the baseline,
@@ -136,6 +149,11 @@ class PolicyChoice:
   rows: list[dict[str, Any]]
   calibration: dict[str, Any]
 
+  @property
+  def speculate(self) -> bool:
+    """False when the baseline was chosen: the job decodes without speculation."""
+    return self.name != BASELINE
+
   def row(self, name: str) -> dict[str, Any]:
     return next(row for row in self.rows if row['name'] == name)
 
@@ -147,6 +165,11 @@ class PolicyChoice:
   def summary(self) -> str:
     """One line: the choice, its measured speedup and the chain's."""
     chain = next(r for r in self.rows if r['kind'] == 'chain')
+    if not self.speculate:
+      best = max(self.rows[1:], key=lambda r: r['speedup'])
+      return (f'the baseline, no speculation (the fastest candidate, {best["name"]}, ran at'
+              f' {_fmt(best["speedup"])}× the baseline on {self.calibration["rows"]} rows ×'
+              f' {self.calibration["tokens"]} tokens)')
     line = (f'{self.name} ({_fmt(self.row(self.name)["speedup"])}× the baseline'
             f' on {self.calibration["rows"]} rows × {self.calibration["tokens"]} tokens')
     if chain['name'] != self.name:
@@ -199,7 +222,8 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
     progress: called with a line per warmed-up decode (e.g. `print`).
 
   Returns:
-    The `PolicyChoice`: the candidate with the fewest measured seconds per generated token.
+    The `PolicyChoice`: the candidate with the fewest measured seconds per generated token;
+    with `policy.allow_baseline`, the baseline when no candidate was faster than it.
   """
   gamma = decoding.check_gamma(gamma)
   prompts, lengths = np.asarray(prompts), np.asarray(lengths)
@@ -253,6 +277,8 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
   order = {name: i for i, name in enumerate(decodes)}
   best = min(table[1:], key=lambda row: (row['seconds_per_token'], row['kind'] != 'chain',
                                          row['nodes'], order[row['name']]))
+  if policy.allow_baseline and table[0]['seconds_per_token'] <= best['seconds_per_token']:
+    best = table[0]  # speculation did not pay here: decode without it
   best['chosen'] = True
   # The table's keys in one order (JSON readers and markdown alike).
   keys = ('name', 'kind', 'description', 'nodes', 'seconds', 'seconds_per_token', 'speedup',
@@ -261,7 +287,7 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
           'warmup_s', 'chosen')
   table = [{key: row[key] for key in keys} for row in table]
   return PolicyChoice(
-      name=best['name'], tree=policy.candidates[best['name']], rows=table,
+      name=best['name'], tree=policy.candidates.get(best['name']), rows=table,
       calibration={'rows': rows, 'tokens': policy.calibration_tokens,
                    'repeats': policy.repeats, 'seconds': time.perf_counter() - started})
 

@@ -45,11 +45,15 @@ MODES = tuple(job_metrics.METHODS)
 
 
 def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
-            max_new_tokens, seed, eos_id, pad_id, partitioner=None,
-            tree=None) -> decoding.DecodeResult:
+            max_new_tokens, seed, eos_id, pad_id, partitioner=None, tree=None,
+            speculate=True) -> decoding.DecodeResult:
+  """One batch by `method`; `speculate=False` (a tree policy chose the baseline) decodes the
+  'speculative' method without a draft."""
   common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
                 pad_id=pad_id, partitioner=partitioner)
-  if method == 'speculative' and tree is not None:
+  if method == 'speculative' and not speculate:
+    result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
+  elif method == 'speculative' and tree is not None:
     del common['partitioner']  # refused before decoding (run_job)
     result = tree_decoding.tree_speculative_decode(target, draft, batch.tokens, batch.lengths,
                                                    tree=tree, **common)
@@ -359,12 +363,13 @@ def run_job(*,
     if done:
       print(f'Resuming {output_dir}: {len(done)} of {len(examples)} examples already recorded.',
             file=progress_stream or sys.stderr)
-    policy_record = None
+    policy_record, speculate = None, True
     if policy is not None:
       tree, policy_record = _apply_policy(
           policy, out, batches[0] if batches else None, target_model, draft_model,
           gamma=gamma, sampling=sampling, seed=seed, vocabulary=vocabulary,
           stream=progress_stream or sys.stderr)
+      speculate = policy_record.get('chosen') != tree_policy_lib.BASELINE
       spec_gamma = gamma if tree is None else tree.describe()
     bar = progress_lib.Progress(len(examples), initial=num_done, stream=progress_stream,
                                 enabled=show_progress,
@@ -377,7 +382,7 @@ def run_job(*,
             batch, methods, target_model, draft_model, vocabulary, warmed,
             exclude_compile_time=exclude_compile_time, gamma=rule or gamma, sampling=sampling,
             max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
-            partitioner=partitioner, tree=tree)
+            partitioner=partitioner, tree=tree, speculate=speculate)
         compile_s += batch_compile_s
         out.append(records)
         recorded_this_run += len(records)
@@ -397,7 +402,7 @@ def run_job(*,
       cost = {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
               'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
               'batch_size': batch_size}
-    elif measure_cost and draft_model is not None:
+    elif measure_cost and draft_model is not None and speculate:
       # A tree's verification costs about a chain's of as many rows (r for its nodes).
       cost = _measure_cost(target_model, draft_model,
                            gamma=gamma if tree is None else tree.num_nodes,
@@ -408,6 +413,9 @@ def run_job(*,
                                           reference_metrics=reference_metrics)
     if policy_record is not None:
       metrics['tree_policy'] = policy_record
+      metrics['speculation'] = 'on' if speculate else (
+          'off: the tree policy measured the baseline fastest, so the speculative method'
+          ' decoded without a draft')
     metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
                       'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
                       'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
@@ -442,7 +450,8 @@ def run_job(*,
 def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir,
                   batch: inputs_lib.Batch | None, target, draft, *, gamma, sampling, seed,
                   vocabulary, stream) -> tuple[Any, dict[str, Any]]:
-  """The tree a `@tree_policy()` job decodes with (None: the chain) and its metrics entry.
+  """The tree a `@tree_policy()` job decodes with (None: the chain, or no speculation when the
+  entry's 'chosen' is 'baseline') and its metrics entry.
 
   The choice is made once, on the first pending batch, and recorded in the output directory
   (`outputs.TREE_POLICY`) before anything is decoded: a resumed job decodes with the tree its
@@ -453,10 +462,12 @@ def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir
   if os.path.exists(recorded):
     with open(recorded, encoding='utf-8') as f:
       entry = json.load(f)
-    if entry.get('chosen') in policy.candidates:
-      print(f"Tree policy: decoding with {entry['chosen']}, as chosen when this job started"
+    chosen = entry.get('chosen')
+    if chosen in policy.candidates or (chosen == tree_policy_lib.BASELINE
+                                       and policy.allow_baseline):
+      print(f"Tree policy: decoding with {chosen}, as chosen when this job started"
             f' ({recorded}).', file=stream, flush=True)
-      return policy.candidates[entry['chosen']], entry
+      return policy.candidates.get(chosen), entry
   if batch is None:
     return None, {'chosen': None, 'note': 'nothing was left to decode, so no calibration ran'}
   rows = min(policy.calibration_rows, batch.num_real)
