@@ -3,7 +3,9 @@ r"""Distills the shipped draft for SmolLM2-135M-Instruct (the embedded default's
 Sequence-level distillation; runs on CPU, and on a GPU with larger batches (see below):
   1. generate: SmolLM2 answers the built-in training prompts (speclm.data.builtin_prompts) and,
      with `--self_prompts=N`, N requests it writes itself (it is given the chat template up to
-     the user turn and samples the user's message at temperature 1, the "Magpie" recipe), once
+     the user turn and samples the user's message at temperature 1, the "Magpie" recipe), and
+     with `--grounded_prompts=N`, N requests to summarize, rewrite, translate or answer from a
+     passage (docstrings of the standard library: replies that copy from their input), once
      greedily and `--sampled_replies` times sampled at temperature 1. Greedy replies teach the
      draft the target's argmax (what α at temperature 0 rewards); sampled replies are draws
      from p, so cross-entropy on them is, in expectation, cross-entropy against p itself
@@ -38,6 +40,7 @@ rather than TF32 approximations, then its α was measured on CPU:
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import time
@@ -52,6 +55,7 @@ from absl import logging
 
 import speclm
 from speclm.data import builtin_prompts
+from speclm.data import grounded_prompts
 from speclm.models import llama
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
@@ -86,6 +90,10 @@ _SELF_PROMPTS = flags.DEFINE_integer('self_prompts', 0,
                                      'Requests the target writes itself (added to the prompts).')
 _SELF_PROMPT_TOKENS = flags.DEFINE_integer('self_prompt_tokens', 64,
                                            'Length limit of a self-written request.')
+_GROUNDED_PROMPTS = flags.DEFINE_integer(
+    'grounded_prompts', 0, 'Requests to summarize, rewrite, translate or answer from a passage'
+    ' (speclm.data.grounded_prompts: docstrings of the standard library), added to the prompts'
+    ' in batches of their own.')
 _SAMPLED_REPLIES = flags.DEFINE_integer('sampled_replies', 1,
                                         'Temperature-1 replies per prompt (besides the greedy'
                                         ' one).')
@@ -187,7 +195,16 @@ def generate(target, tok, work_dir: str) -> None:
   if _SELF_PROMPTS.value:
     prompts += self_written_prompts(target, tok, work_dir, _SELF_PROMPTS.value)
     np.random.RandomState(_SEED.value).shuffle(prompts)  # every batch mixes both kinds
-  batches = [prompts[i:i + _GEN_BATCH.value] for i in range(0, len(prompts), _GEN_BATCH.value)]
+  size = _GEN_BATCH.value
+  batches = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+  if _GROUNDED_PROMPTS.value:
+    # Requests on a passage are longer: batches of their own (one prompt width), taking turns
+    # with the others so that a time budget cuts both kinds alike.
+    grounded = grounded_prompts.grounded_prompts(_GROUNDED_PROMPTS.value, seed=_SEED.value)
+    logging.info('%d requests on passages of the standard library\'s docstrings, e.g. %r',
+                 len(grounded), grounded[:1])
+    grounded = [grounded[i:i + size] for i in range(0, len(grounded), size)]
+    batches = [b for pair in itertools.zip_longest(batches, grounded) for b in pair if b]
   kinds = [('greedy', speclm.GREEDY, 0)] + [
       (f'sampled{r or ""}', speclm.SamplingConfig(temperature=1.0), r)
       for r in range(_SAMPLED_REPLIES.value)]

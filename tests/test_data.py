@@ -183,3 +183,31 @@ def test_seqio_dataset_without_seqio_explains(monkeypatch):
   with pytest.raises(ImportError, match='optional seqio extra'):
     seqio_tasks.seqio_dataset(task_name='wmt_t2t_ende_v003')
 
+
+
+def test_grounded_prompts_come_from_docstrings_and_stay_apart_from_evaluation(tmp_path):
+  """Passages are docstrings' first paragraphs (modules, classes, functions; test folders left
+  out, too short ones dropped); each request holds one passage, deterministically per seed."""
+  from speclm.data import builtin_prompts  # pylint: disable=import-outside-toplevel
+  from speclm.data import grounded_prompts  # pylint: disable=import-outside-toplevel
+  long_text = 'The quick brown fox jumps over the lazy dog. ' * 6
+  (tmp_path / 'pkg').mkdir()
+  (tmp_path / 'pkg' / 'mod.py').write_text(
+      f'"""{long_text}\n\nSecond paragraph of the module."""\n\n'
+      f'class Thing:\n  """Class: {long_text}"""\n\n'
+      f'def helper():\n  """Too short."""\n')
+  (tmp_path / 'tests').mkdir()
+  (tmp_path / 'tests' / 'test_mod.py').write_text(f'"""Test: {long_text}"""\n')
+  (tmp_path / 'broken.py').write_text('def (:\n')
+  passages = grounded_prompts.stdlib_passages(min_chars=100, max_chars=400, root=str(tmp_path))
+  assert passages == [f'{long_text.strip()}\nSecond paragraph of the module.',
+                      f'Class: {long_text.strip()}']
+  many = [f'Passage number {i}: ' + long_text for i in range(40)]
+  prompts = grounded_prompts.grounded_prompts(30, seed=1, passages=many)
+  assert prompts == grounded_prompts.grounded_prompts(30, seed=1, passages=many)
+  assert prompts != grounded_prompts.grounded_prompts(30, seed=2, passages=many)
+  assert len(set(prompts)) == 30
+  assert all(sum(p in prompt for p in many) == 1 for prompt in prompts)
+  assert len({prompt.split('\n\n')[0] for prompt in prompts}) > 3  # several kinds of task
+  evaluation = set(builtin_prompts.demo_prompts()) | set(builtin_prompts.heldout_prompts(192))
+  assert not evaluation & set(grounded_prompts.grounded_prompts(50))

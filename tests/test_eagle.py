@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import speclm
+from speclm import decoding
 from speclm import protocol
 from speclm import testing
 from speclm.analysis import measure
@@ -177,9 +178,113 @@ def test_errors(target):
     speclm.speculative_decode(wide, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
   reference = measure.generate_reference(target, PROMPTS, LENGTHS, tokens_per_row=4,
                                          sampling=speclm.GREEDY)
-  with pytest.raises(TypeError, match='FeatureSource'):
+  with pytest.raises(ValueError, match='does not provide them'):
     measure.beta_along(encoder_decoder, draft, reference, sampling=speclm.GREEDY)
+  with pytest.raises(ValueError, match='at least two'):
+    eagle.random_draft(target, feature_layers=(1,))
+  with pytest.raises(ValueError, match='decoder layers 0 … 1'):
+    speclm.speculative_decode(target, eagle.random_draft(target, feature_layers=(0, 2)),
+                              PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
   trained = draft.definition.trained(draft.params)
   del trained['fuse']
   with pytest.raises(ValueError, match='missing'):
     eagle.make(target, trained, np.arange(32), 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3: features from several target layers, training-time test
+
+
+def test_eagle3_reads_the_hidden_states_of_its_layers(target):
+  """The target hands out its hidden states after the draft's layers (before any final norm),
+  concatenated in the draft's order; its logits are unchanged."""
+  tapped = target.definition.with_feature_layers((1, 0))
+  assert tapped.feature_dim == 64
+  cache = target.definition.init_cache(2, 8)
+  logits, final, _ = target.definition.extend_with_features(target.params, PROMPTS, cache)
+  tapped_logits, taps, _ = tapped.extend_with_features(target.params, PROMPTS, cache)
+  np.testing.assert_array_equal(tapped_logits, logits)
+  hidden, _, layer_outputs = target.definition.module.apply(
+      {'params': target.params}, PROMPTS, cache, None, (0, 1))
+  np.testing.assert_array_equal(hidden, final)
+  np.testing.assert_array_equal(taps, jnp.concatenate([layer_outputs[..., 32:],
+                                                       layer_outputs[..., :32]], axis=-1))
+  assert not np.allclose(taps[..., :32], final)  # the top layer's output is not the head's input
+
+
+@pytest.mark.parametrize('gamma', [1, 3])
+def test_eagle3_greedy_speculative_equals_baseline(target, gamma):
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1))
+  assert set(draft.params) >= {'reduce', 'final_norm', 'fuse', 'layers_0', 'head'}
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=24)
+  spec = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=gamma,
+                                   max_new_tokens=24)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+
+
+def _echo3_draft(target, seed):
+  """An EAGLE-3 draft reading layers (0, 1) of a 2-layer target that nearly echoes, as
+  `_echo_draft` does: `reduce` gives h₁ + (h₁ − h₀) (layer 1's hidden state, plus what layer 1
+  added: the two layers' order matters), `fuse` passes it on, its final norm is the target's,
+  so its q̃ at token s_k is close to the target's p̃ at position k−1; its attention (random
+  output projection, `seed`) makes its proposals depend on its cache too."""
+  draft = eagle.random_draft(target, num_layers=1, seed=seed, feature_layers=(0, 1))
+  d = target.definition.config.embed_dim
+  params = jax.tree_util.tree_map(lambda x: x, draft.params)
+  params['reduce'] = {'kernel': jnp.concatenate([-jnp.eye(d), 2 * jnp.eye(d)], axis=0)}
+  params['fuse'] = {'kernel': jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)], axis=0)}
+  params['final_norm'] = target.params['final_norm']
+  params['layers_0']['mlp']['down']['kernel'] = jnp.zeros_like(
+      params['layers_0']['mlp']['down']['kernel'])
+  return protocol.Model(draft.definition, params)
+
+
+def test_eagle3_rounds_replay_on_teacher_forced_beta(six_token_target, monkeypatch):
+  """As `test_greedy_rounds_replay_on_teacher_forced_beta`, for an EAGLE-3 draft: the loop hands
+  it the hidden states of its layers at every position of its cache. A loop that handed them
+  over in the wrong order (the wrong layer in each slot) fails the same check."""
+  target, _ = six_token_target
+  draft = _echo3_draft(target, seed=3)
+  replay, _ = testing.check_greedy_replay(target, draft, PROMPTS % 6, LENGTHS, gamma=1,
+                                          max_new_tokens=40)
+  assert min(replay.accepted_histogram) >= 5
+
+  class SwappingProtocol:  # the decode loop's `protocol`, asking the target for swapped layers
+    def __getattr__(self, name):
+      return getattr(protocol, name)
+
+    @staticmethod
+    def target_for_feature_draft(target, draft):
+      layers = draft.definition.feature_layers[::-1]
+      return protocol.Model(target.definition.with_feature_layers(layers), target.params)
+
+  monkeypatch.setattr(decoding, 'protocol', SwappingProtocol())
+  with pytest.raises(AssertionError):
+    testing.check_greedy_replay(target, draft, PROMPTS % 6, LENGTHS, gamma=1, max_new_tokens=40)
+
+
+@pytest.mark.parametrize('feature_layers', [None, (0, 1)])
+def test_training_time_test_unrolls_as_the_draft_drafts(target, feature_layers):
+  """Step j of `eagle.training_time_test` at position t gives the logits the draft computes in a
+  round: prefilled and re-fed with the target's features up to the verified position t − j,
+  then extended token by token on its own predicted features."""
+  draft = eagle.random_draft(target, num_layers=1, seed=2, feature_layers=feature_layers)
+  definition = draft.definition
+  tokens = jnp.asarray(PROMPTS[1:])  # [1, 7]
+  source = target.definition.with_feature_layers(feature_layers)
+  _, features, _ = source.prefill_with_features(target.params, tokens, jnp.array([7]),
+                                                source.init_cache(1, 7))
+  steps = 3
+  unrolled = eagle.training_time_test(definition, draft.params, tokens, features, steps)
+  assert unrolled.shape == (steps, 1, 7, 32)
+  before = jnp.pad(features[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  for step in range(steps):
+    for t in range(step, 7):
+      verified = t - step
+      own, logits, cache = definition.apply(draft.params, tokens[:, :verified + 1],
+                                            before[:, :verified + 1], definition.init_cache(1, 8))
+      for position in range(verified + 1, t + 1):
+        own, logits, cache = definition.apply(draft.params, tokens[:, position:position + 1],
+                                              own[:, -1:], cache)
+      np.testing.assert_allclose(unrolled[step, 0, t], logits[0, -1], rtol=2e-5, atol=2e-5,
+                                 err_msg=f'step {step} position {t}')

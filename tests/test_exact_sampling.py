@@ -43,10 +43,12 @@ def drafts(target):
       tree, [x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
   # Prompt lookup where a token of the context repeats (PROMPT has two 1s), else `unrelated`:
   # one-hot and dense q mixed within one sequence.
-  # An EAGLE-style draft reads the target's features; its head covers 4 of the 6 tokens.
+  # An EAGLE-style draft reads the target's features; its head covers 4 of the 6 tokens. The
+  # EAGLE-3 one reads both layers' hidden states and, past a round's first proposal, its own.
   return {'unrelated': unrelated, 'related': speclm.Model(target.definition, related),
           'lookup_first': lookup.lookup_first(unrelated, min_ngram=1),
-          'eagle': eagle.random_draft(target, head_size=4, seed=3)}
+          'eagle': eagle.random_draft(target, head_size=4, seed=3),
+          'eagle3': eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0))}
 
 
 def _exact(target, sampling, num_tokens=NEW_TOKENS):
@@ -77,6 +79,7 @@ CASES = [
     ('top_p0.8', speclm.SamplingConfig(top_p=0.8), 'unrelated', 2),
     ('t1_lookup_first', speclm.SamplingConfig(temperature=1.0), 'lookup_first', 3),
     ('t1_eagle', speclm.SamplingConfig(temperature=1.0), 'eagle', 3),
+    ('t0.7_top3_eagle3', speclm.SamplingConfig(temperature=0.7, top_k=3), 'eagle3', 3),
 ]
 
 

@@ -1,4 +1,5 @@
-"""scripts/train_smollm2_eagle.py end to end on a tiny run: features, training, file, card."""
+"""scripts/train_smollm2_eagle.py end to end on a tiny run of its default (EAGLE-3) draft:
+features of three target layers, training-time test, file, card."""
 
 import glob
 import os
@@ -24,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One width (128) for every feature, training and measuring batch: each compiles once.
 EAGLE = [os.path.join(ROOT, 'scripts', 'train_smollm2_eagle.py'), '--epochs=0.5',
          '--batch_size=2', '--feature_batch=2', '--eval_prompts=2', '--max_new_tokens=8',
-         '--width_bucket=128']
+         '--width_bucket=128', '--ttt_steps=2']
+LAYERS = (2, 15, 27)  # EAGLE-3's low, middle and high layers of SmolLM2's 30
 
 
 @pytest.fixture(scope='module')
@@ -45,23 +47,25 @@ def target():
   return smollm2.load_model()
 
 
-def test_features_are_the_targets_final_hidden_states(run, target):
+def test_features_are_the_targets_hidden_states_of_three_layers(run, target):
   work, _, _ = run
   shards = sorted(glob.glob(os.path.join(work, 'gen_*.npz')))
   assert len(shards) >= 2  # the last one held out, the others to train on
-  assert all(os.path.exists(s.replace('gen_', 'feat_')) for s in shards)
-  with np.load(shards[0]) as gen, np.load(shards[0].replace('gen_', 'feat_')) as feat:
+  feature_file = lambda shard: shard.replace('gen_', 'feat-l2-15-27_')
+  assert all(os.path.exists(feature_file(s)) for s in shards)
+  with np.load(shards[0]) as gen, np.load(feature_file(shards[0])) as feat:
     tokens, lengths, features = gen['tokens'], gen['lengths'], feat['features']
     assert float(feat['seconds']) > 0
-  assert features.dtype == np.float16
-  assert features.shape == tokens.shape + (target.definition.config.embed_dim,)
+    assert tuple(feat['layers']) == LAYERS
+  assert features.dtype == np.uint16  # bfloat16's bits
+  assert features.shape == tokens.shape + (3 * target.definition.config.embed_dim,)
   n = int(lengths[0])
   row = jnp.asarray(tokens[:1, :n])
-  cache = target.definition.init_cache(1, n)
-  _, expected, _ = target.definition.prefill_with_features(
-      target.params, row, jnp.array([n], jnp.int32), cache)
-  np.testing.assert_allclose(features[0, :n].astype(np.float32), np.asarray(expected)[0],
-                             rtol=2e-3, atol=2e-2)
+  source = target.definition.with_feature_layers(LAYERS)
+  _, expected, _ = source.prefill_with_features(target.params, row, jnp.array([n], jnp.int32),
+                                                source.init_cache(1, n))
+  stored = features[0, :n].view(jnp.bfloat16).astype(np.float32)
+  np.testing.assert_allclose(stored, np.asarray(expected)[0], rtol=1e-2, atol=1e-2)
 
 
 def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
@@ -70,15 +74,18 @@ def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
   trained, head_ids, metadata = smollm2_draft.read(path)
   _, shipped_subset, _ = smollm2_draft.read()
   np.testing.assert_array_equal(head_ids, shipped_subset)
-  assert metadata['num_layers'] == 1 and set(trained) == {'fuse', 'layers_0'}
+  assert metadata['num_layers'] == 1 and metadata['feature_layers'] == list(LAYERS)
+  assert metadata['ttt_steps'] == 2
+  assert set(trained) == {'reduce', 'fuse', 'layers_0', 'final_norm'}
   assert metadata['heldout']['prompts'] == 2 and metadata['demo']['prompts'] == 2
   assert 0.0 <= metadata['heldout']['alpha_t0'] <= 1.0
   assert 0.0 <= metadata['heldout_accuracy'] <= 1.0
-  assert 'held-out teacher-forced accuracy' in log
+  assert 'held-out teacher-forced accuracy' in log and 'at unrolled step 2' in log
   card = open(os.path.join(out, 'MODEL_CARD.md'), encoding='utf-8').read()
-  assert f"{metadata['demo']['alpha_t0']:.3f}" in card
+  assert f"{metadata['demo']['alpha_t0']:.3f}" in card and 'training-time test' in card
 
   draft = smollm2_draft.load_eagle(target, path)
+  assert draft.definition.feature_layers == LAYERS
   tok = smollm2.load_tokenizer()
   # The script's own α batch (2 held-out prompts padded to 128 columns, γ = 3, 8 tokens): the
   # speculative loop is the program the script compiled (a hit in the session's cache).

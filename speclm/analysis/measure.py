@@ -301,10 +301,7 @@ def beta_along(target: protocol.Model, draft: protocol.Model, reference: Referen
   if draft.vocab_size != target.vocab_size:
     raise ValueError(f'The draft and target vocabularies differ ({draft.vocab_size} vs'
                      f' {target.vocab_size}); β compares them token by token.')
-  if (isinstance(draft.definition, protocol.FeatureConditionedDraft)
-      and not isinstance(target.definition, protocol.FeatureSource)):
-    raise TypeError(f'The draft ({type(draft.definition).__name__}) reads the target\'s'
-                    ' features, but the target is not a protocol.FeatureSource.')
+  target = protocol.target_for_feature_draft(target, draft)
   if (isinstance(draft.definition, protocol.FeatureConditionedDraft)
       and reference.tokens.shape[1] < 2):
     raise ValueError('β of a feature-conditioned draft needs at least 2 tokens per row (token 0'

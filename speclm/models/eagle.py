@@ -14,9 +14,17 @@ own ĥ. Any q̃ keeps speculative sampling exact (paper §3.6); the features onl
 decode loop (`speclm.decoding`) feeds the features; `scripts/train_smollm2_eagle.py` trains
 the SmolLM2 one.
 
+EAGLE-3 (Li et al., 2025), `EagleDraft(feature_layers=…)`: the features are the target's
+hidden states after a low, a middle and a high layer, concatenated `[n·D]` and projected to D
+(`reduce`) before the fusion; past a round's first proposal the draft reads its own last hidden
+state, which a final norm maps to the head; it is trained on tokens only, with "training-time
+test" (`training_time_test`: unrolled on its own features, with the attention masks its cache
+has while drafting).
+
 Parameters: `{'fuse': {'kernel': [2D, D]}, 'layers_{i}': <llama.DecoderLayer>,
-'head': {'kernel': [D, S]}, 'embedding': [V, D], 'head_ids': [S] int32}`; `embedding` and
-the head are the target's embedding table and its rows for S (borrowed, not trained).
+'head': {'kernel': [D, S]}, 'embedding': [V, D], 'head_ids': [S] int32}`, and for EAGLE-3
+`'reduce': {'kernel': [n·D, D]}, 'final_norm': {'scale': [D]}`; `embedding` and the head are
+the target's embedding table and its rows for S (borrowed, not trained).
 
 Shape letters: B batch, K new tokens, D width, S head tokens, V vocabulary.
 """
@@ -32,33 +40,51 @@ import numpy as np
 
 from speclm import protocol
 from speclm import trees
+from speclm.models import layers
 from speclm.models import llama
 from speclm.models import subset_vocab
 
 
 class EagleModule(nn.Module):
-  """The draft's trainable part; `config.vocab_size` is the head's size S."""
+  """The draft's trainable part; `config.vocab_size` is the head's size S.
+
+  `target_layers` = 0: EAGLE's draft, reading the target's final hidden states (width D) and
+  predicting them. n ≥ 2: EAGLE-3's, reading n target layers' hidden states (width n·D),
+  which `reduce` projects to D; its own "features" are its last layer's outputs (width D),
+  normalised before the head, and features of width D are taken to be those.
+  """
 
   config: llama.LlamaConfig
+  target_layers: int = 0
 
   @nn.compact
-  def __call__(self, embedded, features, cache: llama.KVCache):
-    """embedded, features `[B, K, D]` -> (predicted features `[B, K, D]`, logits `[B, K, S]`,
-    cache with K more positions)."""
+  def __call__(self, embedded, features, cache: llama.KVCache, positions=None, visible=None):
+    """embedded `[B, K, D]`, features `[B, K, D or n·D]` -> (predicted features `[B, K, D]`,
+    logits `[B, K, S]`, cache with K more entries). `positions` `[B, K]` and `visible`
+    `[B, K, L]` (the cache slots each query attends to) default to a chain after
+    `cache.lengths`; training-time test (`training_time_test`) sets them."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d = c.embed_dim
-    positions = cache.lengths[:, None] + jnp.arange(embedded.shape[1])[None, :]
-    fused = jnp.concatenate([embedded.astype(dt), features.astype(dt)], axis=-1)
+    if positions is None:
+      positions = cache.lengths[:, None] + jnp.arange(embedded.shape[1])[None, :]
+    features = features.astype(dt)
+    if self.target_layers and features.shape[-1] == self.target_layers * d:
+      features = llama.Kernel((self.target_layers * d, d), 'BKE,ED->BKD', self.target_layers * d,
+                              pd, dt, name='reduce')(features)
+    fused = jnp.concatenate([embedded.astype(dt), features], axis=-1)
     x = llama.Kernel((2 * d, d), 'BKE,ED->BKD', 2 * d, pd, dt, name='fuse')(fused)
     keys, values = [], []
     for i in range(c.num_layers):
       x, k, v = llama.DecoderLayer(c, name=f'layers_{i}')(
-          x, positions, cache.keys[i], cache.values[i], cache.lengths)
+          x, positions, cache.keys[i], cache.values[i], cache.lengths, visible)
       keys.append(k)
       values.append(v)
+    normed = x
+    if self.target_layers:
+      normed = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='final_norm')(x)
     logits = llama.Kernel((d, c.vocab_size), 'BKD,DS->BKS', d, pd, jnp.float32,
-                          name='head')(x)
+                          name='head')(normed)
     cache = llama.KVCache(keys=jnp.stack(keys), values=jnp.stack(values),
                           lengths=cache.lengths + embedded.shape[1])
     return x, logits, cache
@@ -70,6 +96,14 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
   config: llama.LlamaConfig  # the draft's layers; vocab_size = head tokens S
   full_vocab_size: int
+  # None: EAGLE's draft (the target's final hidden states); else EAGLE-3's, reading the hidden
+  # states after these target layers (at least two, e.g. a low, a middle and a high one).
+  feature_layers: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    if self.feature_layers is not None and len(self.feature_layers) < 2:
+      raise ValueError(f'feature_layers={self.feature_layers}: an EAGLE-3 draft reads at least'
+                       ' two target layers (None reads the final hidden states).')
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
@@ -77,7 +111,7 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
   @property
   def feature_dim(self) -> int:  # type: ignore[override]
-    return self.config.embed_dim
+    return self.config.embed_dim * len(self.feature_layers or (None,))
 
   @property
   def max_context_length(self) -> int | None:
@@ -85,7 +119,7 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
   @property
   def module(self) -> EagleModule:
-    return EagleModule(self.config)
+    return EagleModule(self.config, len(self.feature_layers or ()))
 
   @property
   def _layers(self) -> llama.Llama:
@@ -95,11 +129,12 @@ class EagleDraft(protocol.FeatureConditionedDraft):
   def init_cache(self, batch_size, max_length):
     return self._layers.init_cache(batch_size, max_length)
 
-  def apply(self, params, tokens, features, cache):
+  def apply(self, params, tokens, features, cache, positions=None, visible=None):
     """The module on full-vocabulary `tokens` `[B, K]` -> (ĥ `[B, K, D]`, logits `[B, K, S]`,
     cache); what training differentiates."""
     embedded = jnp.take(params['embedding'], tokens, axis=0)
-    return self.module.apply({'params': self.trained(params)}, embedded, features, cache)
+    return self.module.apply({'params': self.trained(params)}, embedded, features, cache,
+                             positions, visible)
 
   def extend_with_features(self, params, tokens, features, cache):
     predicted, logits, cache = self.apply(params, tokens, features, cache)
@@ -127,8 +162,9 @@ class EagleDraft(protocol.FeatureConditionedDraft):
     `head_ids`."""
     c = self.config
     cache = self.init_cache(1, 1)
-    zeros = jnp.zeros((1, 1, c.embed_dim), c.dtype)
-    params = dict(self.module.init(rng, zeros, zeros, cache)['params'])
+    embedded = jnp.zeros((1, 1, c.embed_dim), c.dtype)
+    features = jnp.zeros((1, 1, self.feature_dim), c.dtype)  # the target's: every part is used
+    params = dict(self.module.init(rng, embedded, features, cache)['params'])
     return self.with_target_embedding(params, embedding, head_ids)
 
   def with_target_embedding(self, trained, embedding, head_ids) -> dict:
@@ -152,14 +188,15 @@ def draft_config(target_config: llama.LlamaConfig, num_layers: int, head_size: i
 
 
 def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
-         cpu_kernels: bool = False) -> protocol.Model:
+         cpu_kernels: bool = False, feature_layers=None) -> protocol.Model:
   """An EAGLE draft `Model` for a Llama `target` from trained module parameters (`fuse`,
-  `layers_{i}`); the head is the target's embedding rows `head_ids`. `cpu_kernels`: pack the
-  products for `speclm.kernels.cpu_matmul` (inference only, see `llama.pack_for_cpu`; the
-  head's panels rounded to bfloat16)."""
+  `layers_{i}`; EAGLE-3's also `reduce` and `final_norm`, with `feature_layers`); the head is
+  the target's embedding rows `head_ids`. `cpu_kernels`: pack the products for
+  `speclm.kernels.cpu_matmul` (inference only, see `llama.pack_for_cpu`; the head's panels
+  rounded to bfloat16)."""
   target_config = target.definition.config
   config = draft_config(target_config, num_layers, len(head_ids), target_config.dtype)
-  definition = EagleDraft(config, target.vocab_size)
+  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers))
   trained = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.param_dtype), trained)
   params = definition.with_target_embedding(trained, target.params['embedder']['embedding'],
                                             head_ids)
@@ -173,13 +210,73 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
 
 
 def random_draft(target: protocol.Model, num_layers: int = 1, head_size: int | None = None,
-                 seed: int = 0) -> protocol.Model:
+                 seed: int = 0, feature_layers=None) -> protocol.Model:
   """An untrained EAGLE draft for a Llama `target` (tests, examples); its head covers the
-  first `head_size` token ids (all by default)."""
+  first `head_size` token ids (all by default). With `feature_layers`, an EAGLE-3 one."""
   head_ids = np.arange(head_size or target.vocab_size, dtype=np.int32)
   config = draft_config(target.definition.config, num_layers, len(head_ids),
                         target.definition.config.dtype)
-  definition = EagleDraft(config, target.vocab_size)
+  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers))
   embedding = target.params['embedder']['embedding']
   return protocol.Model(definition, definition.init_params(jax.random.key(seed), embedding,
                                                            head_ids))
+
+
+def _layer_tuple(layers) -> tuple[int, ...] | None:
+  return None if layers is None else tuple(int(i) for i in layers)
+
+
+def eagle3_layers(num_target_layers: int) -> tuple[int, int, int]:
+  """EAGLE-3's low, middle and high target layers for a target of `num_target_layers`: the
+  third, the middle one and the third from the top (decoder layers counted from 0)."""
+  if num_target_layers < 3:
+    raise ValueError(f'EAGLE-3 reads three layers; the target has {num_target_layers}.')
+  return (min(2, num_target_layers - 3), num_target_layers // 2, num_target_layers - 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training-time test (EAGLE-3): the draft trained on the features it will meet while drafting
+
+
+def ttt_visibility(length: int, step: int, capacity: int) -> jax.Array:
+  """`[T, L]` the cache slots each of T queries of unrolled step `step` attends to.
+
+  Step i's entries sit in slots [i·T, (i+1)·T), one per position. A query of step j at
+  position t drafts the j-th token after a verified position t − j: it sees step 0's entries
+  (true target features) at positions ≤ t − j, and step i's entry at position t − j + i for
+  i = 1 … j — the entries the draft's cache holds at that point of a round.
+  """
+  t = jnp.arange(length)[:, None]
+  slot = jnp.arange(capacity)[None, :]
+  i, position = slot // length, slot % length
+  true_prefix = (i == 0) & (position <= t - step)
+  own = (i >= 1) & (i <= step) & (position == t - step + i)
+  return true_prefix | own
+
+
+def training_time_test(definition: EagleDraft, params, tokens, features, steps: int):
+  """Logits `[steps, B, T, S]` of the draft unrolled on its own features (EAGLE-3).
+
+  `tokens` `[B, T]` a sequence, `features` `[B, T, feature_dim]` the target's features at
+  each of its positions. Step 0 is teacher-forced: position t reads the target's feature of
+  position t − 1. Step j reads, at position t, the draft's own step-(j−1) feature of position
+  t − 1, and attends as `ttt_visibility` says; its logits at t are exactly those the draft
+  gives for token t + 1 when it is the j-th proposal after the verified position t − j, with
+  the sequence's tokens as its earlier proposals (`tests/test_eagle.py` checks this against
+  the decode loop's `extend_with_features`). Positions t < j have no such round; leave them
+  out of a loss.
+  """
+  batch, length = tokens.shape
+  cache = definition.init_cache(batch, steps * length)
+  positions = jnp.broadcast_to(jnp.arange(length)[None, :], (batch, length))
+  shift = lambda x: jnp.pad(x[:, :-1], ((0, 0), (1, 0), (0, 0)))  # position t reads t − 1's
+  inputs, out = shift(features), []
+  for step in range(steps):
+    visible = jnp.broadcast_to(ttt_visibility(length, step, steps * length)[None],
+                               (batch, length, steps * length))
+    cache = cache.replace(lengths=jnp.full((batch,), step * length, jnp.int32))
+    predicted, logits, cache = definition.apply(params, tokens, inputs, cache, positions,
+                                                visible)
+    out.append(logits)
+    inputs = shift(predicted)
+  return jnp.stack(out)

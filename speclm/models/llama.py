@@ -386,11 +386,13 @@ class LlamaModule(nn.Module):
       self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
                             jnp.float32)
 
-  def __call__(self, tokens, cache: KVCache, tree=None):
+  def __call__(self, tokens, cache: KVCache, tree=None, tap_layers: tuple[int, ...] = ()):
     """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache).
 
     With a `speclm.token_trees.TreeLayout` `tree` the K tokens are a token tree: node k at
-    position lengths + depth, attending to the committed prefix and its ancestors."""
+    position lengths + depth, attending to the committed prefix and its ancestors. With
+    `tap_layers`, a third result: the hidden states after each of those decoder layers,
+    concatenated `[B, K, len(tap_layers) · D]`."""
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
@@ -402,15 +404,18 @@ class LlamaModule(nn.Module):
     x = self.embedder(tokens).astype(dt)
     if self.config.scale_embeddings:  # Gemma: by √D, rounded to the activations' dtype first
       x = x * jnp.asarray(math.sqrt(self.config.embed_dim), dt)
-    new_keys, new_values = [], []
+    new_keys, new_values, taps = [], [], {}
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible,
                       key_positions)
       new_keys.append(k)
       new_values.append(v)
+      taps[i] = x
     x = self.final_norm(x)
     cache = KVCache(keys=jnp.stack(new_keys), values=jnp.stack(new_values),
                     lengths=cache.lengths + tokens.shape[1])
+    if tap_layers:
+      return x, cache, jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
     return x, cache
 
   def hidden_and_logits(self, tokens, cache: KVCache):
@@ -431,9 +436,14 @@ class LlamaModule(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Llama(protocol.LanguageModel, protocol.FeatureSource):
-  """`speclm.protocol.LanguageModel` for a `LlamaConfig`."""
+  """`speclm.protocol.LanguageModel` for a `LlamaConfig`.
+
+  As a `protocol.FeatureSource` its features are the final hidden states (after the final
+  norm), or with `feature_layers` the hidden states after those decoder layers, concatenated.
+  """
 
   config: LlamaConfig
+  feature_layers: tuple[int, ...] | None = None
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
@@ -461,7 +471,25 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
 
   @property
   def feature_dim(self) -> int:  # type: ignore[override]
-    return self.config.embed_dim
+    return self.config.embed_dim * len(self.feature_layers or (None,))
+
+  def with_feature_layers(self, layers):
+    if layers is not None:
+      layers = tuple(int(i) for i in layers)
+      bad = [i for i in layers if not 0 <= i < self.config.num_layers]
+      if not layers or bad:
+        raise ValueError(f'Feature layers {layers}: this model has decoder layers 0 …'
+                         f' {self.config.num_layers - 1}.')
+    return dataclasses.replace(self, feature_layers=layers)
+
+  def _features(self, params, tokens, cache):
+    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache)."""
+    if self.feature_layers is None:
+      hidden, cache = self.module.apply({'params': params}, tokens, cache)
+      return hidden, hidden, cache
+    hidden, cache, taps = self.module.apply({'params': params}, tokens, cache, None,
+                                            self.feature_layers)
+    return hidden, taps, cache
 
   def prefill(self, params, inputs, input_lengths, cache):
     logits, _, cache = self.prefill_with_features(params, inputs, input_lengths, cache)
@@ -471,18 +499,17 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     logits, _, cache = self.extend_with_features(params, tokens, cache)
     return logits, cache
 
-  # The features are the final hidden states, after the final norm: the head's inputs.
   def prefill_with_features(self, params, inputs, input_lengths, cache):
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    hidden, cache = self.module.apply({'params': params}, inputs, cache)
+    hidden, features, cache = self._features(params, inputs, cache)
     last = jnp.take_along_axis(hidden, (input_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = self.module.apply({'params': params}, last, method=LlamaModule.logits)[:, 0]
-    return logits, hidden, cache.replace(lengths=input_lengths.astype(jnp.int32))
+    return logits, features, cache.replace(lengths=input_lengths.astype(jnp.int32))
 
   def extend_with_features(self, params, tokens, cache):
-    hidden, cache = self.module.apply({'params': params}, tokens, cache)
+    hidden, features, cache = self._features(params, tokens, cache)
     logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
-    return logits, hidden, cache
+    return logits, features, cache
 
   def extend_tree(self, params, tokens, tree, cache):
     hidden, cache = self.module.apply({'params': params}, tokens, cache, tree)

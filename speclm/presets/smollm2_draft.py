@@ -118,9 +118,11 @@ def load(target: protocol.Model, path: str | None = None,
 
 def load_eagle(target: protocol.Model, path: str | None = None,
                cpu_kernels: bool = False) -> protocol.Model:
-  """The shipped (or a given) EAGLE-style draft for `target` = SmolLM2-135M."""
+  """The shipped (or a given) EAGLE-style draft for `target` = SmolLM2-135M (an EAGLE-3 one
+  if its metadata names the `feature_layers` it reads)."""
   trained, head_ids, metadata = read(path or os.path.join(EAGLE_DIR, EAGLE_FILE))
-  return eagle.make(target, trained, head_ids, _num_layers(trained, metadata), cpu_kernels)
+  return eagle.make(target, trained, head_ids, _num_layers(trained, metadata), cpu_kernels,
+                    feature_layers=metadata.get('feature_layers'))
 
 
 def _num_layers(trained: dict[str, Any], metadata: dict[str, Any]) -> int:
