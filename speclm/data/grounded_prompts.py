@@ -1,10 +1,10 @@
 """Input-grounded training requests built from text that ships with Python itself.
 
 A draft learns to copy only from requests whose replies copy: summarize, rewrite, translate or
-answer from a passage. The passages are the module docstrings of the Python standard library
-this process runs on (modules', classes' and functions', read with `ast`, nothing imported): real prose, present on every machine,
-and disjoint from the demo, held-out and public benchmark prompts. Their text depends on the
-Python version, so the requests do too; a seed fixes the choice among them.
+answer from a passage. The passages are docstrings (of modules, classes and functions, read
+with `ast`, nothing imported) of the Python standard library this process runs on: real prose,
+present on every machine, and disjoint from the demo, held-out and public benchmark prompts.
+Their text depends on the Python version, so the requests do too; a seed fixes the choice.
 """
 
 from __future__ import annotations

@@ -404,13 +404,13 @@ class LlamaModule(nn.Module):
     x = self.embedder(tokens).astype(dt)
     if self.config.scale_embeddings:  # Gemma: by √D, rounded to the activations' dtype first
       x = x * jnp.asarray(math.sqrt(self.config.embed_dim), dt)
-    new_keys, new_values, taps = [], [], {}
+    new_keys, new_values, taps = [], [], []
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible,
                       key_positions)
       new_keys.append(k)
       new_values.append(v)
-      taps[i] = x
+      taps.append(x)
     x = self.final_norm(x)
     cache = KVCache(keys=jnp.stack(new_keys), values=jnp.stack(new_values),
                     lengths=cache.lengths + tokens.shape[1])
