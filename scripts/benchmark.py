@@ -37,6 +37,7 @@ set: nothing in speclm was trained or tuned on them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -52,6 +53,7 @@ from absl import flags
 
 import speclm
 from speclm import sampling as sampling_lib
+from speclm import speculative
 from speclm.analysis import benchmarking
 from speclm.analysis import measure
 from speclm.analysis import theory
@@ -143,6 +145,11 @@ class _BeforeSampling(sampling_lib.SamplingConfig):
   """Equal fields, another class: its own entry in the decode loops' compilation cache."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _BeforeGreedyRound(sampling_lib.SamplingConfig):
+  """As `_BeforeSampling`, for the one-hot greedy round's ablation."""
+
+
 def _float32_panels(model):
   """`model` with its bfloat16 kernel panels widened to float32: the same values (so the same
   outputs), twice the bytes to read; the draft as it ran before bfloat16 panels."""
@@ -168,15 +175,51 @@ def _argmax_one_hot(logits):
   return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
 
 
-class _before_sampling:  # pylint: disable=invalid-name
-  """While active, decode loops traced for the first time use the "before" sampling code."""
+def _one_hot_greedy_ids(logits):
+  """Greedy tokens before `sampling.greedy_ids`: the one-hot row, then a draw from it."""
+  return sampling_lib.sample(jax.random.key(0), sampling_lib._first_argmax_one_hot(logits))  # pylint: disable=protected-access
 
-  def __enter__(self):
-    self._saved = sampling_lib.sample, sampling_lib._first_argmax_one_hot  # pylint: disable=protected-access
-    sampling_lib.sample, sampling_lib._first_argmax_one_hot = _gumbel_sample, _argmax_one_hot  # pylint: disable=protected-access
 
-  def __exit__(self, *exc):
-    sampling_lib.sample, sampling_lib._first_argmax_one_hot = self._saved  # pylint: disable=protected-access
+def _one_hot_greedy_round(vocab: int):
+  """The greedy round before `speculative.greedy_round`: Algorithm 1 on one-hot p̃ and q̃
+  over the whole vocabulary (the same decisions)."""
+  def round_(draft_tokens, target_tokens):
+    return speculative.speculative_round(
+        jax.nn.one_hot(draft_tokens, vocab), draft_tokens,
+        jax.nn.one_hot(target_tokens, vocab), jnp.zeros(draft_tokens.shape),
+        jax.random.key(0))
+  return round_
+
+
+@contextlib.contextmanager
+def _patched(module, **replacements):
+  """While active, `module`'s attributes are replaced (decode loops traced for the first time
+  then use the replacements)."""
+  saved = {name: getattr(module, name) for name in replacements}
+  for name, value in replacements.items():
+    setattr(module, name, value)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def _before_greedy_round(vocab: int):
+  """The temperature-0 path before `greedy_round`: one-hot rows and Algorithm 1 on them."""
+  with _patched(sampling_lib, greedy_ids=_one_hot_greedy_ids), \
+       _patched(speculative, greedy_round=_one_hot_greedy_round(vocab)):
+    yield
+
+
+@contextlib.contextmanager
+def _before_sampling(vocab: int):
+  """The sampling code before the sampler and argmax changes (and the one-hot greedy path,
+  which they were measured with)."""
+  with _before_greedy_round(vocab), _patched(sampling_lib, sample=_gumbel_sample,
+                                        _first_argmax_one_hot=_argmax_one_hot):
+    yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +269,9 @@ def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, x
                  tok, [prompts[(k + i) % len(prompts)] for i in range(_BATCH.value)],
                            width) for k in range(0, len(prompts), _BATCH.value)]
 
-  def make(name, group, batch_size, sampling, model, draft_model=None, before=False,
+  def make(name, group, batch_size, sampling, model, draft_model=None, before=None,
            gamma=None, new_tokens=None):
+    """`before`: None, or 'sampling' / 'greedy round' (an ablation's "before" code)."""
     case_holder = []
     new_tokens = new_tokens or _MAX_NEW.value
 
@@ -245,10 +289,14 @@ def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, x
       case_holder[0].stats.append(result.stats)
       return out
 
+    context = None
     if before:
-      sampling = _BeforeSampling(**dataclasses.asdict(sampling))
+      config_class, context = {'sampling': (_BeforeSampling, _before_sampling),
+                               'greedy round': (_BeforeGreedyRound, _before_greedy_round)}[before]
+      sampling = config_class(**dataclasses.asdict(sampling))
+      context = functools.partial(context, model.definition.vocab_size)
     case = Case(name, group, batch_size, sampling.temperature, new_tokens, run,
-                before_sampling=before)
+                trace_context=context)
     case_holder.append(case)
     return case
 
@@ -276,12 +324,15 @@ def speclm_cases(target, draft, tok, prompts, *, rules=None, tied_target=None, x
   if _ABLATIONS.value:
     cases += [
         make('baseline, argmax + Gumbel sampler (before)', 'ablation', 1, GREEDY, target,
-             before=True),
+             before='sampling'),
         make('speculative, argmax + Gumbel sampler (before)', 'ablation', 1, GREEDY, target,
-             draft, before=True),
+             draft, before='sampling'),
         make('speculative, Gumbel sampler (before)', 'ablation', 1, SAMPLED, target, draft,
-             before=True),
+             before='sampling'),
     ]
+    cases += [make('speculative, one-hot greedy round (before)', 'ablation', batch_size,
+                   GREEDY, target, draft, before='greedy round')
+              for batch_size in (1, _BATCH.value)]
     if draft_alone is not None:
       cases += [make('speculative, trained draft alone (before)', 'ablation', batch_size,
                      sampling, target, draft_alone)
@@ -405,7 +456,11 @@ def main(argv):
     float32_draft = _float32_panels(draft_alone)
     if _LOOKUP_MIN_NGRAM.value:
       float32_draft = wrap(float32_draft)
-  tied_target = gguf.load_model(smollm2._open()) if _ABLATIONS.value else None  # pylint: disable=protected-access
+  tied_target = None
+  if _ABLATIONS.value:
+    tied_target = gguf.load_model(smollm2._open())  # pylint: disable=protected-access
+    if _TARGET_LAYERS.value:  # a smoke run: the same cut as the target's
+      tied_target = llama.first_layers(tied_target, _TARGET_LAYERS.value)
   categorized = workload_prompts()
   categories = [category for category, _ in categorized]
   prompts = [prompt for _, prompt in categorized]
@@ -434,7 +489,7 @@ def main(argv):
     print(f'HF draft export: max |logit difference| {export_error:.2e}', flush=True)
 
   print(f'compiling and warming up {len(cases)} cases …', flush=True)
-  benchmarking.warm_up(cases, before_sampling_context=_before_sampling)
+  benchmarking.warm_up(cases)
   bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
 
   # Exactness: greedy speculative = greedy baseline, every round (and ours vs HF).
@@ -545,6 +600,9 @@ def main(argv):
         ('baseline, argmax + Gumbel sampler (before)', 'speclm baseline', 1, 0.0),
         ('speculative, argmax + Gumbel sampler (before)', 'speclm speculative', 1, 0.0),
         ('speculative, Gumbel sampler (before)', 'speclm speculative', 1, 1.0),
+        ('speculative, one-hot greedy round (before)', 'speclm speculative', 1, 0.0),
+        ('speculative, one-hot greedy round (before)', 'speclm speculative', _BATCH.value,
+         0.0),
         ('speculative, trained draft alone (before)', 'speclm speculative', 1, 0.0),
         ('speculative, trained draft alone (before)', 'speclm speculative', 1, 1.0),
         ('speculative, trained draft alone (before)', 'speclm speculative', _BATCH.value, 0.0),

@@ -95,6 +95,10 @@ TREES = {
     # top_k is refused (the first depth has only top_k nodes to expand), hence width 4.
     'dynamic 32 (depth 6, top-4, width 4)': token_trees.DynamicTree(32, depth=6, top_k=4,
                                                                     width=4),
+    # EAGLE-2's usual setting on GPUs (60 nodes, 6 expansions of the 10 best nodes by path
+    # probability, 10 children each): tokens per call where verifying many rows is cheap.
+    'dynamic 60 (depth 6, top-10, width 10)': token_trees.DynamicTree(60, depth=6, top_k=10,
+                                                                      width=10),
 }
 SAMPLED_TREES = {  # at T > 0 also: siblings drawn without replacement from q̃
     'paths5, sampled siblings': token_trees.TreeShape.from_paths(

@@ -33,9 +33,8 @@ every round, and the draft may stop early within a round:
 
 In a batch, one γ serves all rows (the verification is one call of one width): the rule sums
 the rows' expected tokens. Any γ keeps speculative sampling exact (Algorithm 1 is exact for
-every γ, and positions past the round's γ carry q = 0, which Algorithm 1 always rejects and
-then draws from p itself), so the output distribution is the target's whatever the rule
-decides; only the speed changes.
+every γ: the round verifies and accepts at the width of the γ drafted), so the output
+distribution is the target's whatever the rule decides; only the speed changes.
 
 c and r(γ) come from timing the models (`speclm.analysis.measure.measure_adaptive_gamma`,
 which times whole rounds of this loop and caches them per machine, model pair and batch

@@ -21,16 +21,18 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
          give q̃_1…q̃_γ, x_1…x_γ. A `protocol.FeatureConditionedDraft` (EAGLE-style) also gets
          the target's features of positions C−3 and C−2 with that re-feed, and its own
          predicted ones after it.
-      2. verify (`_verify`): one target extend with [s_{C−1}, x_1, …, x_γ] -> p̃_1 … p̃_{γ+1}
-         (and its features of those positions for a feature-conditioned draft).
-      3. accept (`speculative.speculative_round`) -> n accepted and one more token t.
+      2. verify (`_verify_and_accept`): one target extend with [s_{C−1}, x_1, …, x_γ]
+         -> p̃_1 … p̃_{γ+1} (and its features of those positions for a feature-conditioned
+         draft).
+      3. accept (`speculative.speculative_round`) -> n accepted and one more token t. At
+         temperature 0, where every p̃ and q̃ is one-hot, `speculative.greedy_round` makes
+         the same decisions from the argmax ids (`sampling.greedy_ids`) alone.
       4. append: the target cache keeps C−1+n+1 positions (rollback = lowering a length);
          x_1…x_n, t are appended and t becomes pending.
   * Adaptive γ (`gamma=adaptive.AdaptiveGamma(...)`): before step 1 the rule picks the round's
     γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
-    k ≤ γ_max tokens (a while loop; q̃ = 0 past k, which Algorithm 1 always rejects before
-    drawing from p̃ itself), and the target verifies k+1 tokens, one of γ_max+1 compiled
-    widths chosen by `lax.switch`. When γ = 0 the draft may sit the round out (`lax.cond`);
+    k ≤ γ_max tokens (a while loop), and the target verifies k+1 tokens and Algorithm 1
+    accepts among the k, one of γ_max+1 compiled widths chosen by `lax.switch`. When γ = 0 the draft may sit the round out (`lax.cond`);
     it then keeps the last W tokens (`recent`) and, when it next runs, rolls back to C−g and
     re-feeds the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}].
     Two bookkeeping helpers finish the round: `_count_round` adds it to the statistics (β sums
@@ -431,7 +433,7 @@ def _start(target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_l
   """
   batch = prompts.shape[0]
   rng, first_key = jax.random.split(rng)
-  first = sampling_lib.sample(first_key, sampling_lib.standardize(logits, sampling))
+  first = sampling_lib.draw(first_key, logits, sampling)
   stats = DecodeStats.zeros(batch, gamma)
   stats = stats.replace(target_calls=stats.target_calls + 1,
                         target_calls_per_row=stats.target_calls_per_row + 1)
@@ -477,7 +479,7 @@ def _autoregressive_loop(model_def, params, prompts, lengths, limits, rng, eos_i
     active = state.active
     rng, key = jax.random.split(state.rng)
     logits, cache = model_def.extend(params, state.pending_token[:, None], state.target_cache)
-    token = sampling_lib.sample(key, sampling_lib.standardize(logits[:, 0], sampling))
+    token = sampling_lib.draw(key, logits[:, 0], sampling)
     # Finished rows keep their cache length (their writes land past it and are never read).
     old_lengths = model_def.cache_lengths(state.target_cache)
     cache = model_def.rollback(cache, jnp.where(active, old_lengths + 1, old_lengths))
@@ -532,8 +534,9 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
   Returns (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows with bad draft logits, the
   number of proposals made). With a fixed γ that number is γ (a Python int). With an adaptive
   `rule` it is traced: 0 when `round_gamma` is 0, else up to `round_gamma` (or up to γ_max
-  under draft-side stopping, see `speclm.adaptive`); q̃ and x past it are zeros. The first
-  call, which reads the newest tokens, is made in every round.
+  under draft-side stopping, see `speclm.adaptive`); x past it is 0 and q̃ past it is never
+  read. The first call, which reads the newest tokens, is made in every round. At
+  temperature 0 q̃ is None: it is one-hot on x, and `speculative.greedy_round` needs x alone.
   """
   keys = jax.random.split(rng, gamma)
   extend = _draft_extender(draft_def, draft_params)
@@ -558,15 +561,23 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     logits, cache = jax.lax.switch(state.skipped, [functools.partial(refeed, g)
                                                    for g in range(2, window + 1)])
     feature = None
-  first_probs = sampling_lib.standardize(logits[:, -1], sampling)
-  first_token = sampling_lib.sample(keys[0], first_probs)
+  greedy = sampling.is_greedy
+
+  def choose(logits, key):
+    """(q̃ `[B, V]`, None at temperature 0; the token drawn from it `[B]`)."""
+    if greedy:
+      return None, sampling_lib.greedy_ids(logits)
+    probs = sampling_lib.standardize(logits, sampling)
+    return probs, sampling_lib.sample(key, probs)
+
+  first_probs, first_token = choose(logits[:, -1], keys[0])
   bad = _bad(logits)
 
   def propose(token, feature, cache, key):
     # Past the first proposal the true features are unknown: the draft reads its own.
     logits, cache, feature = extend(token[:, None], feature, cache)
-    probs = sampling_lib.standardize(logits[:, 0], sampling)
-    return logits[:, 0], probs, sampling_lib.sample(key, probs), feature, cache
+    probs, next_token = choose(logits[:, 0], key)
+    return logits[:, 0], probs, next_token, feature, cache
 
   if rule is None:
     def step(carry, key):
@@ -576,15 +587,16 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
 
     (_, _, cache, bad), (probs, tokens) = jax.lax.scan(step, (first_token, feature, cache, bad),
                                                        keys[1:])
-    draft_probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
+    draft_probs = None if greedy else jnp.concatenate(
+        [first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
     draft_tokens = jnp.concatenate([first_token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)
     return draft_probs, draft_tokens, cache, bad, gamma
 
   # Adaptive: a while loop that stops at the round's γ, or by `adaptive.keep_drafting`.
-  greedy = sampling.is_greedy
   confidence = adaptive.draft_confidence(logits[:, -1], first_probs, greedy)
-  probs_buffer = jnp.zeros((first_probs.shape[0], gamma) + first_probs.shape[1:],
-                           first_probs.dtype).at[:, 0].set(first_probs)
+  probs_buffer = None if greedy else jnp.zeros(
+      (first_probs.shape[0], gamma) + first_probs.shape[1:],
+      first_probs.dtype).at[:, 0].set(first_probs)
   token_buffer = jnp.zeros((first_token.shape[0], gamma), jnp.int32).at[:, 0].set(first_token)
   # E_1 = Σ_b (1 + P_{b,1}) over active rows, P_{b,1} = a_{b,1}.
   expected = jnp.sum(jnp.where(active, 1.0 + confidence, 0.0))
@@ -603,7 +615,8 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     confidence = adaptive.draft_confidence(logits, probs, greedy)
     all_accepted = all_accepted * confidence
     return (j + 1, next_token, feature, cache, bad | _bad(logits),
-            probs_buffer.at[:, j].set(probs), token_buffer.at[:, j].set(next_token),
+            None if greedy else probs_buffer.at[:, j].set(probs),
+            token_buffer.at[:, j].set(next_token),
             all_accepted, confidence,
             expected + jnp.sum(jnp.where(active, all_accepted, 0.0)))
 
@@ -612,22 +625,26 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
   j, _, _, cache, bad, probs_buffer, token_buffer, *_ = jax.lax.while_loop(more, step, carry)
   num_drafted = jnp.where(round_gamma > 0, j, 0)
   drafted = jnp.arange(gamma)[None, :] < num_drafted
-  probs_buffer = jnp.where(drafted[:, :, None], probs_buffer, 0.0)
   return probs_buffer, jnp.where(drafted, token_buffer, 0), cache, bad, num_drafted
 
 
-def _verify(target_def, target_params, state: _LoopState, drafted, with_features: bool,
-            num_drafted=None):
-  """Step 2 of a round: one target call on [s_{C−1}, x_1, …, x_k] (K = k+1 tokens).
+def _verify_and_accept(target_def, target_params, state: _LoopState, draft_probs, drafted,
+                       with_features: bool, sampling, uniforms, key, num_drafted=None):
+  """Steps 2 and 3 of a round: one target call on [s_{C−1}, x_1, …, x_k] (K = k+1 tokens)
+  gives p̃_1 … p̃_{k+1}, then Algorithm 1 accepts n of x_1 … x_k and draws t.
 
-  Returns the logits `[B, G+1, V]` of p̃_1 … p̃_{G+1}, the target's features `[B, G+1, D]` of
-  those positions for a feature-conditioned draft (None otherwise), and the target's cache.
-  With a fixed γ, k = G. With a traced `num_drafted` k, the call has the width k+1 (one of
-  G+1 compiled widths, chosen by `lax.switch`), and the rows past it repeat the last one
-  (never read: at most k drafts are accepted).
+  Returns (the `speculative.RoundResult`, its β `[B, G]` zero past k; `[B]` rows whose target
+  logits are bad; the target's features `[B, G+1, D]` of the verified positions for a
+  feature-conditioned draft, None otherwise; the target's cache). With a fixed γ, k = G.
+  With a traced `num_drafted` k, the call and the acceptance have the width k+1 (one of G+1
+  compiled branches, chosen by `lax.switch`), so the round's work over the vocabulary (p̃ at
+  each verified position, the residual) follows the k chosen, not γ_max: a γ = 0 round
+  costs about a baseline step. Features past position k+1 repeat the last one (never read:
+  at most k drafts are accepted). At temperature 0 the acceptance is
+  `speculative.greedy_round` on the argmax ids (the same decisions, no [B, K, V] arrays).
   """
   verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
-  width = verified.shape[1]
+  gamma = drafted.shape[1]
 
   def call(tokens):
     if with_features:
@@ -635,19 +652,25 @@ def _verify(target_def, target_params, state: _LoopState, drafted, with_features
     logits, cache = target_def.extend(target_params, tokens, state.target_cache)
     return logits, None, cache
 
+  def verify_and_accept(k):
+    logits, features, cache = call(verified[:, :k + 1])
+    if sampling.is_greedy:
+      result = speculative.greedy_round(drafted[:, :k], sampling_lib.greedy_ids(logits))
+    else:
+      result = speculative.speculative_round(
+          draft_probs[:, :k], drafted[:, :k], sampling_lib.standardize(logits, sampling),
+          uniforms[:, :k], key)
+    if k < gamma:
+      result = result.replace(beta=jnp.pad(result.beta, ((0, 0), (0, gamma - k))))
+      if features is not None:
+        features = jnp.concatenate(
+            [features, jnp.repeat(features[:, -1:], gamma - k, axis=1)], axis=1)
+    return result, _bad(logits), features, cache
+
   if num_drafted is None:
-    return call(verified)
-
-  def pad(x):
-    return None if x is None else jnp.concatenate(
-        [x, jnp.repeat(x[:, -1:], width - x.shape[1], axis=1)], axis=1)
-
-  def verify_width(k):
-    logits, features, cache = call(verified[:, :k])
-    return pad(logits), pad(features), cache
-
-  return jax.lax.switch(num_drafted, [functools.partial(verify_width, k)
-                                      for k in range(1, width + 1)])
+    return verify_and_accept(gamma)
+  return jax.lax.switch(num_drafted, [functools.partial(verify_and_accept, k)
+                                      for k in range(gamma + 1)])
 
 
 def _hand_off_features(draft_features, features, n, good) -> jax.Array:
@@ -768,8 +791,8 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
       round_gamma = adaptive.choose_gamma(
           adaptive.running_alpha(state.evidence_sum, state.evidence_count, rule), active, rule,
           rule_costs)
-    # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ (k ≤ γ under an adaptive rule; q̃ = 0 past
-    #    k, which Algorithm 1 always rejects and then draws from p̃ itself).
+    # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ (k ≤ γ under an adaptive rule, and
+    #    steps 2–3 then run at the width k).
     #    When γ = 0 and the draft may still fall behind (`rule.max_skip`), it sits the round out.
     def draft(state):
       return _draft_tokens(draft_def, draft_params, state, target_lengths, gamma, sampling,
@@ -777,7 +800,8 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
                            costs=rule_costs)
 
     def sit_out(state):
-      return (jnp.zeros((batch, gamma, target_def.vocab_size), jnp.float32),
+      return (None if sampling.is_greedy
+              else jnp.zeros((batch, gamma, target_def.vocab_size), jnp.float32),
               jnp.zeros((batch, gamma), jnp.int32), state.draft_cache,
               jnp.zeros((batch,), bool), jnp.int32(0))
 
@@ -789,13 +813,11 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     else:
       draft_probs, drafted, draft_cache, draft_bad, num_drafted = draft(state)
     # 2. Verify: one parallel target call on [s_{C−1}, x_1, …, x_k] gives p̃_1 … p̃_{k+1}.
-    logits, features, target_cache = _verify(
-        target_def, target_params, state, drafted, with_features,
-        num_drafted=None if rule is None else num_drafted)
-    target_probs = sampling_lib.standardize(logits, sampling)
     # 3. Accept n of the guesses (r < p̃(x)/q̃(x)) and draw one more token t (Algorithm 1).
     uniforms = jax.random.uniform(uniform_key, (batch, gamma))
-    result = speculative.speculative_round(draft_probs, drafted, target_probs, uniforms, next_key)
+    result, target_bad, features, target_cache = _verify_and_accept(
+        target_def, target_params, state, draft_probs, drafted, with_features, sampling,
+        uniforms, next_key, num_drafted=None if rule is None else num_drafted)
     n = result.num_accepted
     # 4. Keep C−1+n+1 target positions (rollback = a smaller length); append x_1 … x_n, t.
     # A row with bad logits anywhere in the round (the target's γ+1 or the draft's) stops
@@ -805,7 +827,7 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
     offsets = jnp.arange(gamma + 1)[None, :]
     padded = jnp.concatenate([drafted, drafted[:, -1:]], axis=1)
     new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
-    bad = active & (_bad(logits) | draft_bad)
+    bad = active & (target_bad | draft_bad)
     good = active & ~bad
     tokens, num_generated, reasons = _append(
         state.replace(stop_reasons=jnp.where(bad, StopReason.BAD_LOGITS, state.stop_reasons)),

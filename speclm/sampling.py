@@ -118,16 +118,42 @@ def standardize(logits: jax.Array, config: SamplingConfig) -> jax.Array:
   return probs
 
 
-def _first_argmax_one_hot(logits: jax.Array) -> jax.Array:
-  """One-hot of the largest logit, the lowest id on ties.
+def _first_max_id(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(ids `[..., V]`, the id of the largest logit `[..., 1]`, the lowest on ties).
 
   Written as a max and a min over ids rather than `jnp.argmax`: XLA's CPU argmax (a variadic
   reduction) is about 5x slower over a 49k vocabulary, and this runs every decoding step.
   """
   ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
   is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
-  first = jnp.min(jnp.where(is_max, ids, logits.shape[-1]), axis=-1, keepdims=True)
+  return ids, jnp.min(jnp.where(is_max, ids, logits.shape[-1]), axis=-1, keepdims=True)
+
+
+def _first_argmax_one_hot(logits: jax.Array) -> jax.Array:
+  """One-hot of the largest logit, the lowest id on ties."""
+  ids, first = _first_max_id(logits)
   return (ids == first).astype(jnp.float32)
+
+
+def greedy_ids(logits: jax.Array) -> jax.Array:
+  """`[..., V]` -> int32 `[...]`: the token temperature 0 picks, the first largest logit.
+
+  The token `sample(rng, standardize(logits, GREEDY))` draws (a one-hot row always yields its
+  token), found without building the one-hot row or searching it. A row with a NaN still gets
+  a valid id (which one depends on how the backend's max treats NaN); the decode loops stop
+  such rows as bad and append nothing from them.
+  """
+  _, first = _first_max_id(logits)
+  return jnp.minimum(first[..., 0], logits.shape[-1] - 1)
+
+
+def draw(rng: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
+  """One token per row from logits `[..., V]` -> int32 `[...]`: a draw from p̃ =
+  `standardize(logits, config)`; at temperature 0 directly `greedy_ids(logits)` (the same
+  token, without the vocabulary-wide one-hot and search; `rng` is then unused)."""
+  if config.is_greedy:
+    return greedy_ids(logits)
+  return sample(rng, standardize(logits, config))
 
 
 def _nucleus(probs: jax.Array, top_p: float) -> jax.Array:

@@ -106,6 +106,31 @@ def speculative_round(
                      beta=beta)
 
 
+def greedy_round(draft_tokens: jax.Array, target_tokens: jax.Array) -> RoundResult:
+  """`speculative_round` at temperature 0, from token ids alone.
+
+  Greedy standardization makes p̃_i one-hot on the target's first argmax a_i and q̃_i one-hot
+  on the draft's x_i. Then p̃_i(x_i)/q̃_i(x_i) is 1 when x_i = a_i and 0 otherwise, so x_i is
+  kept iff it equals a_i, whatever the uniform; β_i = Σ_x min(p̃_i, q̃_i) is 1 or 0 alike; and
+  the correction norm(max(0, p̃_{n+1} − q̃_{n+1})) is one-hot on a_{n+1} (x_{n+1} ≠ a_{n+1},
+  or n = γ and q̃ is padded with zeros). The result equals `speculative_round` on the one-hot
+  arrays, which are never built (γ+1 and γ rows over the whole vocabulary).
+
+  Args:
+    draft_tokens: `[B, G]` int, x_i.
+    target_tokens: `[B, G+1]` int, a_i = `sampling.greedy_ids` of the target's logits.
+  """
+  batch, gamma = draft_tokens.shape
+  if target_tokens.shape != (batch, gamma + 1):
+    raise ValueError(f'target_tokens must be [B, γ+1] = {(batch, gamma + 1)}, got'
+                     f' {target_tokens.shape}.')
+  match = draft_tokens == target_tokens[:, :gamma]
+  num_accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1)
+  next_token = jnp.take_along_axis(target_tokens, num_accepted[:, None], axis=1)[:, 0]
+  return RoundResult(num_accepted=num_accepted.astype(jnp.int32),
+                     next_token=next_token.astype(jnp.int32), beta=match.astype(jnp.float32))
+
+
 # ----------------------------------------------------------------------------------------------
 # Token trees: one round over several candidates per position (shape letters as above, plus
 # N tree nodes, node 0 the root, D the tree's depth).

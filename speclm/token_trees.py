@@ -30,7 +30,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 
@@ -240,6 +239,20 @@ class DynamicTree:
   def describe(self) -> str:
     return (f'dynamic tree of {self.num_nodes} nodes (depth {self.depth}, top-{self.top_k},'
             f' width {self.width})')
+
+
+def draft_lookahead(tree: TreeShape | DynamicTree) -> int:
+  """Cache positions the draft may write in one tree round after the C−2 it is rolled back
+  to (s_{C−2}, the root s_{C−1}, then nodes). A static tree's draft reads at most its
+  `num_nodes` + 2 tokens. A dynamic tree's draft extends everything drafted so far at each
+  depth: in its last call, s_{C−2}, the root, the root's top_k children and width × top_k
+  nodes for each of the depth − 2 levels after them — far more than `num_nodes` when the
+  pool is large (EAGLE-2's 60 nodes of depth 6, top-10, width 10: 412 positions)."""
+  if isinstance(tree, TreeShape):
+    return tree.num_nodes + 2
+  if tree.depth == 1:
+    return 2
+  return 2 + tree.top_k + (tree.depth - 2) * tree.width * tree.top_k
 
 
 def check_tree(tree) -> TreeShape | DynamicTree:

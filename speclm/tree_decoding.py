@@ -86,15 +86,15 @@ def tree_speculative_decode(
     raise ValueError(f'The tree gives a node {_max_children(tree)} children, more than the'
                      f' vocabulary\'s {target.vocab_size} tokens.')
   max_new = int(limits.max())
-  num_nodes = tree.num_nodes
-  capacity = lambda model: decoding._capacity(  # pylint: disable=protected-access
-      model.definition, width, max_new, num_nodes, cache_length)
+  capacity = lambda model, lookahead: decoding._capacity(  # pylint: disable=protected-access
+      model.definition, width, max_new, lookahead, cache_length)
   result = _tree_jit(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
       limits, jax.random.key(seed), decoding.end_tokens(eos_id),
       jnp.int32(pad_id), tree=tree, sampling=sampling,
-      buffer_length=max_new + tree.depth + 1, target_capacity=capacity(target),
-      draft_capacity=capacity(draft))
+      buffer_length=max_new + tree.depth + 1,
+      target_capacity=capacity(target, tree.num_nodes),
+      draft_capacity=capacity(draft, token_trees.draft_lookahead(tree) - 1))
   return decoding._trim(result, max_new)  # pylint: disable=protected-access
 
 
@@ -278,10 +278,10 @@ def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, leng
 
   def round_(state: decoding._LoopState) -> decoding._LoopState:  # pylint: disable=protected-access
     target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
-    # The target writes N slots after C−1; the draft N+1 after C−2.
+    # The target writes N slots after C−1; the draft `draft_lookahead` after C−2.
     reasons = stop_if_full(state.stop_reasons, target_lengths, num_nodes,
                            target_def.cache_capacity(state.target_cache))
-    reasons = stop_if_full(reasons, target_lengths - 1, num_nodes + 1,
+    reasons = stop_if_full(reasons, target_lengths - 1, token_trees.draft_lookahead(tree),
                            draft_def.cache_capacity(state.draft_cache))
     state = state.replace(stop_reasons=reasons)
     active = state.active

@@ -27,6 +27,10 @@ def test_benchmark_trees_smoke_run_writes_its_report(tmp_path):
                      '--tree=dynamic 32 (depth 6, top-4, width 4)', f'--output={report}',
                      timeout=1500)
   text = report.read_text()
+  # The header names the command that wrote the report, flags included.
+  assert ("Written by `python scripts/benchmark_trees.py --rounds=1 --max_new_tokens=4"
+          " --target_layers=1 --r_nodes=4 --temperatures=0 --policy=false"
+          " '--tree=dynamic 32 (depth 6, top-4, width 4)'") in text
   assert '| dynamic 32 (depth 6, top-4, width 4) | 32 |' in text
   assert '| paths3' not in text  # only the tree asked for
   checks = text.split('## Checks')[1]

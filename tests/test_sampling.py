@@ -184,3 +184,26 @@ def test_top_k_indices_equal_lax_top_k_ties_included():
   for k in (1, 2, 4):
     np.testing.assert_array_equal(np.asarray(sampling.top_k_indices(x, k)),
                                   np.asarray(jax.lax.top_k(x, k)[1]))
+
+
+def test_greedy_draw_is_the_token_the_one_hot_sample_draws():
+  """`draw` at temperature 0 skips the one-hot row and its search: the same token, ties and
+  -inf included, eagerly and under jit; a row with a NaN still gets a valid id."""
+  rng = np.random.default_rng(4)
+  logits = rng.integers(0, 4, size=(3, 5, 9000)).astype(np.float32)  # ties everywhere
+  logits[0, 1, :100] = -np.inf
+  logits[1, 2] = -np.inf
+  logits[1, 2, 8999] = 0.0  # the only finite logit is the last id
+  logits = jnp.asarray(logits)
+  key = jax.random.key(0)
+  expected = sampling.sample(key, sampling.standardize(logits, sampling.GREEDY))
+  np.testing.assert_array_equal(np.asarray(expected), np.argmax(np.asarray(logits), axis=-1))
+  for draw in (sampling.draw, jax.jit(sampling.draw, static_argnums=2)):
+    np.testing.assert_array_equal(np.asarray(draw(key, logits, sampling.GREEDY)),
+                                  np.asarray(expected))
+  assert 0 <= int(sampling.greedy_ids(logits.at[2, 0, 7].set(jnp.nan))[2, 0]) < 9000
+  # Above temperature 0 `draw` is a draw from the standardized distribution.
+  config = sampling.SamplingConfig(temperature=0.7, top_k=3)
+  np.testing.assert_array_equal(
+      np.asarray(sampling.draw(key, logits, config)),
+      np.asarray(sampling.sample(key, sampling.standardize(logits, config))))

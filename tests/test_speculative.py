@@ -112,3 +112,37 @@ def test_rejects_mismatched_shapes():
   with pytest.raises(ValueError, match='target_probs'):
     speculative.speculative_round(np.ones((1, 2, 3)) / 3, np.zeros((1, 2), np.int32),
                                   np.ones((1, 2, 3)) / 3, np.zeros((1, 2)), jax.random.key(0))
+
+
+def test_greedy_round_equals_the_round_on_one_hot_distributions():
+  """At temperature 0 the loop decides from argmax ids (`greedy_round`); that must be what
+  `speculative_round` decides on the one-hot p̃ and q̃: n, the next token and every β, for
+  rows that match everywhere, nowhere or part way."""
+  rng = np.random.default_rng(0)
+  batch, gamma = 64, 3
+  target_tokens = rng.integers(0, 3, size=(batch, gamma + 1)).astype(np.int32)
+  drafted = rng.integers(0, 3, size=(batch, gamma)).astype(np.int32)
+  drafted[:8] = target_tokens[:8, :gamma]  # all match
+  p = np.eye(V, dtype=np.float32)[target_tokens]
+  q = np.eye(V, dtype=np.float32)[drafted]
+  uniforms = rng.uniform(size=(batch, gamma)).astype(np.float32)
+  general = speculative.speculative_round(q, drafted, p, uniforms, jax.random.key(1))
+  greedy = jax.jit(speculative.greedy_round)(drafted, target_tokens)
+  for field in ('num_accepted', 'next_token', 'beta'):
+    np.testing.assert_array_equal(getattr(greedy, field), getattr(general, field))
+  assert set(np.asarray(greedy.num_accepted).tolist()) == {0, 1, 2, 3}
+  with pytest.raises(ValueError, match='target_tokens'):
+    speculative.greedy_round(drafted, target_tokens[:, :gamma])
+
+
+def test_a_round_of_no_drafts_draws_from_the_target():
+  """γ = 0 (an adaptive round that drafted nothing): nothing is kept, β is empty, and the
+  token comes from p̃_1, in both the general and the greedy round."""
+  p = np.array([[[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]], np.float32)
+  general = speculative.speculative_round(np.zeros((1, 0, V), np.float32),
+                                          np.zeros((1, 0), np.int32), p,
+                                          np.zeros((1, 0), np.float32), jax.random.key(0))
+  greedy = speculative.greedy_round(np.zeros((1, 0), np.int32), np.array([[2]], np.int32))
+  for result in (general, greedy):
+    assert int(result.num_accepted[0]) == 0 and int(result.next_token[0]) == 2
+    assert result.beta.shape == (1, 0)

@@ -210,6 +210,25 @@ def test_greedy_trees_equal_the_baseline(kind, name, tree):
     assert abs(stats.alpha - chain.stats.alpha) < 1e-6
 
 
+def test_a_dynamic_tree_whose_pool_outgrows_its_nodes_decodes_to_the_end():
+  """An EAGLE-2 draft extends everything it drafted so far at each depth: keeping 4 nodes of
+  a pool drafted at depth 4, top-4, width 4, its last call reads 38 positions, more than the
+  whole draft cache that the 4 nodes sized before (a shape error; a write clamped onto
+  earlier positions where it only ran past the end). The draft's cache and its stop check
+  follow `token_trees.draft_lookahead`, so greedy output runs to the limit, equal to the
+  baseline's."""
+  target = llama.random_model(vocab_size=32, embed_dim=32, num_layers=2, seed=1)
+  draft = _perturbed(target, 0.3, 9)
+  tree = token_trees.DynamicTree(num_nodes=4, depth=4, top_k=4, width=4)
+  assert token_trees.draft_lookahead(tree) == 38
+  assert token_trees.draft_lookahead(TreeShape.chain(3)) == 5
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=12)
+  result = tree_decoding.tree_speculative_decode(target, draft, PROMPTS, LENGTHS, tree=tree,
+                                                 max_new_tokens=12)
+  np.testing.assert_array_equal(result.tokens, base.tokens)
+  np.testing.assert_array_equal(result.stop_reasons, base.stop_reasons)
+
+
 def test_greedy_tree_with_end_token_and_bigram_draft():
   target = llama.random_model(vocab_size=32, embed_dim=32, num_layers=2, seed=4)
   base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=24)

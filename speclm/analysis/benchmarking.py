@@ -17,7 +17,9 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -35,7 +37,8 @@ class Case:
     batch_size, temperature: its setting.
     new_tokens: N, tokens each row generates per call (for per-token times).
     run: generates; the round index picks the prompt and the seed.
-    before_sampling: compiled with a benchmark's "before" sampling code (ablations).
+    trace_context: a context manager factory under which the case is compiled (its first
+      run), e.g. a benchmark's "before" code for ablations; None: the code as it is.
     seconds, outputs, stats: filled round by round (`stats` by `run` itself, if it has any).
   """
 
@@ -45,7 +48,7 @@ class Case:
   temperature: float
   new_tokens: int
   run: Callable[[int], np.ndarray]
-  before_sampling: bool = False
+  trace_context: Callable[[], Any] | None = None
   seconds: list[float] = dataclasses.field(default_factory=list)
   outputs: list[np.ndarray] = dataclasses.field(default_factory=list)
   stats: list[Any] = dataclasses.field(default_factory=list)
@@ -118,12 +121,12 @@ def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
   return num_bytes / statistics.median(times)
 
 
-def warm_up(cases: Sequence[Case], *, before_sampling_context=None) -> None:
+def warm_up(cases: Sequence[Case]) -> None:
   """Compiles and runs every case once (round 0), then forgets what that run recorded."""
   for case in cases:
     start = time.time()
-    if case.before_sampling and before_sampling_context is not None:
-      with before_sampling_context():
+    if case.trace_context is not None:
+      with case.trace_context():
         case.run(0)
     else:
       case.run(0)
@@ -294,10 +297,14 @@ def fmt(x: float | None, spec: str = '.2f') -> str:
   return '—' if x is None else format(x, spec)
 
 
-def report_header(title: str, script: str, seconds: float) -> list[str]:
-  """The title, the "written by" line, the date and run time, and the machine."""
+def report_header(title: str, script: str, seconds: float,
+                  flags: Sequence[str] | None = None) -> list[str]:
+  """The title, the "written by" line (the script with the flags it was given: `flags`, or
+  this process's command-line arguments), the date and run time, and the machine."""
+  flags = sys.argv[1:] if flags is None else flags
+  command = shlex.join(['python', script, *flags])
   return [f'# {title}', '',
-          f'Written by `python {script}` (do not edit by hand; rerun it).', '',
+          f'Written by `{command}` (do not edit by hand; rerun it).', '',
           f'- date: {datetime.date.today().isoformat()}; total run time {seconds / 60:.1f} min',
           f'- machine: {machine_line()}']
 

@@ -610,6 +610,12 @@ def measure_verify_costs(target: protocol.Model, draft: protocol.Model, *, max_g
   return per_call[0] / step, tuple(float(r) for r in verify)
 
 
+# How long `measure_round_costs` times each γ by default: new tokens per decode, and
+# interleaved repeats. `measure_adaptive_gamma` caches other settings under their own key.
+ROUND_COST_TOKENS = 32
+ROUND_COST_REPEATS = 3
+
+
 def _forcing_rule(max_gamma: int, gamma: int, max_skip: int) -> adaptive.AdaptiveGamma:
   """An adaptive rule that chooses `gamma` every round: every other width is priced at 10⁶
   target steps (and drafting at nothing), so no running α can make another width win."""
@@ -620,8 +626,9 @@ def _forcing_rule(max_gamma: int, gamma: int, max_skip: int) -> adaptive.Adaptiv
 
 
 def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
-                        batch_size: int = 1, context_length: int = 64, num_new_tokens: int = 32,
-                        repeats: int = 3, max_skip: int = 3,
+                        batch_size: int = 1, context_length: int = 64,
+                        num_new_tokens: int = ROUND_COST_TOKENS,
+                        repeats: int = ROUND_COST_REPEATS, max_skip: int = 3,
                         seed: int = 0) -> tuple[float, tuple[float, ...]]:
   """c and r(0) … r(γ_max) for `adaptive.AdaptiveGamma`, with r timed on whole rounds.
 
@@ -709,7 +716,8 @@ def cost_cache_dir() -> str:
 
 def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
                            batch_size: int = 1, context_length: int = 64,
-                           use_cache: bool = True, num_new_tokens: int = 32, repeats: int = 3,
+                           use_cache: bool = True, num_new_tokens: int = ROUND_COST_TOKENS,
+                           repeats: int = ROUND_COST_REPEATS,
                            **rule_kwargs) -> adaptive.AdaptiveGamma:
   """An `adaptive.AdaptiveGamma` rule with c and r(γ) timed for these models and batch size.
 
@@ -722,7 +730,7 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
   max_skip).
   """
   max_skip = rule_kwargs.get('max_skip', 3)
-  timing = {} if (num_new_tokens, repeats) == (32, 3) else {
+  timing = {} if (num_new_tokens, repeats) == (ROUND_COST_TOKENS, ROUND_COST_REPEATS) else {
       'num_new_tokens': num_new_tokens, 'repeats': repeats}
   path = os.path.join(cost_cache_dir(), _cost_cache_key(target, draft, max_gamma, batch_size,
                                                         context_length, max_skip, **timing)

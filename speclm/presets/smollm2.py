@@ -12,7 +12,8 @@ locates the package directory (importlib) and never imports it. The Q4_1/Q8_0 we
 dequantized to float32 (or cast to bfloat16) on load.
 
     model, tok = smollm2.load()
-    print(smollm2.generate_text(model, tok, ['Name three colours.'], max_new_tokens=24))
+    print(speclm.generate(model, None, ['Name three colours.'], tokenizer=tok,
+                          max_new_tokens=24).texts)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Sequence
 
 from speclm import protocol
 from speclm.checkpoints import gguf
@@ -85,22 +85,3 @@ def load(dtype: str = 'float32', cpu_kernels: bool = False):
   """(model, tokenizer) for SmolLM2-135M-Instruct (see `load_model`)."""
   return load_model(dtype, cpu_kernels), load_tokenizer()
 
-
-def generate_text(model: protocol.Model, tok, prompts: Sequence[str], *, draft=None,
-                  gamma: int = 4, chat: bool = True, max_new_tokens: int = 64, **kwargs):
-  """Text in, text out: each prompt (a user message when `chat`) -> the model's reply.
-
-  With a `draft` model this runs speculative decoding (γ = `gamma`), otherwise the plain
-  baseline; other keyword arguments (sampling, seed, …) go to the decode function. Returns
-  (texts, DecodeResult).
-  """
-  import speclm  # pylint: disable=import-outside-toplevel
-  rows = [tok.encode_chat(p) if chat else tok.encode(p) for p in prompts]
-  tokens, lengths = tok.batch(rows)
-  if draft is None:
-    result = speclm.autoregressive_decode(model, tokens, lengths, eos_id=tok.eos_id,
-                                          max_new_tokens=max_new_tokens, **kwargs)
-  else:
-    result = speclm.speculative_decode(model, draft, tokens, lengths, gamma=gamma,
-                                       eos_id=tok.eos_id, max_new_tokens=max_new_tokens, **kwargs)
-  return tok.decode_result(result), result
