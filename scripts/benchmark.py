@@ -22,7 +22,7 @@ token, and our baseline against Hugging Face's.
 
 It prints the table and ratios and writes `docs/benchmarks.md` (never edit that by hand):
 
-  python scripts/benchmark.py                       # the full run (about 20 minutes here)
+  python scripts/benchmark.py                       # the full run (about 40 minutes here)
   python scripts/benchmark.py --rounds=1 --max_new_tokens=16 --output=/tmp/b.md  # a smoke run
 
 Workloads: `--workload=demo` (default) decodes the 8 built-in demo prompts. `--workload=
