@@ -32,7 +32,8 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
   * Adaptive γ (`gamma=adaptive.AdaptiveGamma(...)`): before step 1 the rule picks the round's
     γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
     k ≤ γ_max tokens (a while loop), and the target verifies k+1 tokens and Algorithm 1
-    accepts among the k, one of γ_max+1 compiled widths chosen by `lax.switch`. When γ = 0 the draft may sit the round out (`lax.cond`);
+    accepts among the k, one of γ_max+1 compiled widths chosen by `lax.switch`. When γ = 0
+    the draft may sit the round out (`lax.cond`);
     it then keeps the last W tokens (`recent`) and, when it next runs, rolls back to C−g and
     re-feeds the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}].
     Two bookkeeping helpers finish the round: `_count_round` adds it to the statistics (β sums
@@ -638,8 +639,7 @@ def _verify_and_accept(target_def, target_params, state: _LoopState, draft_probs
   feature-conditioned draft, None otherwise; the target's cache). With a fixed γ, k = G.
   With a traced `num_drafted` k, the call and the acceptance have the width k+1 (one of G+1
   compiled branches, chosen by `lax.switch`), so the round's work over the vocabulary (p̃ at
-  each verified position, the residual) follows the k chosen, not γ_max: a γ = 0 round
-  costs about a baseline step. Features past position k+1 repeat the last one (never read:
+  each verified position, the residual) follows the k chosen, not γ_max. Features past position k+1 repeat the last one (never read:
   at most k drafts are accepted). At temperature 0 the acceptance is
   `speculative.greedy_round` on the argmax ids (the same decisions, no [B, K, V] arrays).
   """
