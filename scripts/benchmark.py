@@ -217,8 +217,8 @@ def _before_greedy_round(vocab: int):
 def _before_sampling(vocab: int):
   """The sampling code before the sampler and argmax changes (and the one-hot greedy path,
   which they were measured with)."""
-  with _before_greedy_round(vocab), _patched(sampling_lib, sample=_gumbel_sample,
-                                        _first_argmax_one_hot=_argmax_one_hot):
+  with _before_greedy_round(vocab), _patched(
+      sampling_lib, sample=_gumbel_sample, _first_argmax_one_hot=_argmax_one_hot):
     yield
 
 
