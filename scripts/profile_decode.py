@@ -26,14 +26,18 @@ from absl import app
 from absl import flags
 
 import speclm
+from speclm import adaptive
+from speclm.analysis import measure
 from speclm.data import builtin_prompts
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
 
-_MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative', 'tree'],
-                          'Loop profiled (tree: tree_speculative_decode with --tree_paths).')
+_MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative', 'adaptive', 'tree'],
+                          'Loop profiled (adaptive: speculative_decode with an AdaptiveGamma'
+                          ' rule of γ_max --gamma; tree: tree_speculative_decode with'
+                          ' --tree_paths).')
 _TREE_PATHS = flags.DEFINE_string('tree_paths', '0 1 0.0',
                                   'The static tree of --mode=tree, as rank paths (Medusa style:'
                                   ' "0 1 0.0" is two children of the root, one grandchild).')
@@ -43,6 +47,10 @@ _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
 _BATCH = flags.DEFINE_integer('batch_size', 1, 'Demo prompts decoded together.')
 _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature.')
+_FORCE_GAMMA = flags.DEFINE_integer(
+    'force_gamma', None, 'With --mode=adaptive: costs that make the rule choose this γ in every'
+    ' round (0: the draft sits rounds out, as a batch that stopped speculating does), instead'
+    ' of c and r(γ) measured for the batch size (cached per machine).')
 _TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
 _CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Products through the packed CPU kernel'
@@ -83,10 +91,21 @@ def main(argv):
   tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
   sampling = speclm.SamplingConfig(temperature=_TEMPERATURE.value)
 
+  def adaptive_rule():
+    if _FORCE_GAMMA.value is None:
+      return measure.measure_adaptive_gamma(target, draft, max_gamma=_GAMMA.value,
+                                            batch_size=_BATCH.value)
+    # r(γ) rising steeply past the forced γ, and falling to it, make it the best choice.
+    costs = [1.0 + 10.0 * abs(g - _FORCE_GAMMA.value) for g in range(_GAMMA.value + 1)]
+    return adaptive.AdaptiveGamma(max_gamma=_GAMMA.value, draft_cost=0.0, verify_costs=costs)
+
   def decode():
     kwargs = dict(sampling=sampling, max_new_tokens=_MAX_NEW.value, eos_id=None)
     if draft is None:
       result = speclm.autoregressive_decode(target, tokens, lengths, **kwargs)
+    elif _MODE.value == 'adaptive':
+      result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=adaptive_rule(),
+                                         **kwargs)
     elif _MODE.value == 'tree':
       paths = [tuple(int(r) for r in path.split('.')) for path in _TREE_PATHS.value.split()]
       result = speclm.tree_speculative_decode(target, draft, tokens, lengths,

@@ -9,14 +9,17 @@ every round, and the draft may stop early within a round:
   (Corollary 3.6), pulled towards `prior_alpha` while it has little evidence. The round's
   γ ∈ {0, 1, …, γ_max} maximises the batch's expected tokens per unit of time,
 
-      Σ_b (1 − α_b^{γ+1}) / (1 − α_b)   /   (max(γ, 1)·c + r(γ))            (Theorem 3.8)
+      Σ_b (1 − α_b^{γ+1}) / (1 − α_b)   /   (γ·c + r(γ))                    (Theorem 3.8)
 
   over the rows still generating: the numerator is Equation (1) per row, the denominator the
   round's cost in target steps, with r(γ) the round's verification and its other work over a
   one-token baseline step (measured on whole rounds, see below). γ = 0 is a plain target
-  step: the draft sits the round out and catches up later by reading the tokens it missed in
-  one call (up to `max_skip` rounds in a row; then it reads them in a round of its own,
-  proposing nothing), so γ = 0 costs c/(max_skip + 1) + r(0).
+  step: the draft sits the round out, so it costs r(0). When the draft next runs it first
+  reads the tokens it missed: in the same call as its first proposal after up to `max_skip`
+  rounds out, else by re-reading the sequence (its prompt prefill and the generated tokens,
+  in chunks). That one-off cost is not priced; it buys a γ = 0 round that runs no draft at
+  all, which is what a batch too wide to gain from speculation needs. (With `max_skip` = 0
+  the draft reads every round: γ = 0 then costs c + r(0).)
   Since the running α forgets old rounds (`decay`) and drifts back to the prior, a batch that
   stopped speculating tries again later.
 * **Within a round, from the draft's confidence** (`draft_stopping`). After proposing x_j the
@@ -68,9 +71,11 @@ class AdaptiveGamma:
     prior_weight: how many drafted positions of evidence the prior is worth.
     decay: per round, the weight old evidence keeps (0 < decay ≤ 1; 1 never forgets).
     draft_stopping: whether the draft may stop (or go on up to γ_max) from its confidence.
-    max_skip: most rounds in a row the draft may sit out (γ = 0) before it reads the tokens
-      it missed; 0 makes it read the newest tokens every round (feature-conditioned drafts
-      always do: they need the target's features of every position).
+    max_skip: most rounds in a row the draft may sit out (γ = 0) and still read the tokens it
+      missed with its next proposal call (a window of max_skip + 2 recent tokens); after
+      more it re-reads the sequence when it next drafts. 0 makes it read the newest tokens
+      every round (feature-conditioned drafts always do: they need the target's features of
+      every position).
   """
 
   max_gamma: int
@@ -133,10 +138,10 @@ class AdaptiveGamma:
                                verify_costs=(1.0,) * (self.max_gamma + 1))
 
   def round_cost(self, gamma, costs=None) -> jax.Array:
-    """γ·c + r(γ) in target steps for γ ≥ 1, and c/(max_skip + 1) + r(0) for γ = 0 (γ may be
+    """γ·c + r(γ) in target steps; for γ = 0, r(0), or c + r(0) when max_skip = 0 (γ may be
     a traced integer). `costs` (`cost_vector()`, possibly traced) replaces the rule's own."""
     costs = jnp.asarray(self.cost_vector() if costs is None else costs, jnp.float32)
-    draft_calls = jnp.where(gamma > 0, gamma, 1.0 / (self.max_skip + 1))
+    draft_calls = jnp.where(gamma > 0, gamma, 0.0 if self.max_skip else 1.0)
     return draft_calls * costs[0] + costs[1:][gamma]
 
 

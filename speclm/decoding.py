@@ -33,9 +33,11 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
     γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
     k ≤ γ_max tokens (a while loop), and the target verifies k+1 tokens and Algorithm 1
     accepts among the k, one of γ_max+1 compiled widths chosen by `lax.switch`. When γ = 0
-    the draft may sit the round out (`lax.cond`);
-    it then keeps the last W tokens (`recent`) and, when it next runs, rolls back to C−g and
-    re-feeds the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}].
+    the draft sits the round out (`lax.cond`; unless `max_skip` = 0). The loop keeps the last
+    W = max_skip + 2 tokens (`recent`); when the draft next runs it rolls back to C−g and
+    re-feeds the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}], or,
+    after more than max_skip rounds out, re-reads the whole sequence (`_reread_draft`). A
+    batch that stopped speculating therefore runs the draft not at all.
     Two bookkeeping helpers finish the round: `_count_round` adds it to the statistics (β sums
     and counts, the acceptance histogram, call counts) and `_hand_off_features` gives a
     feature-conditioned draft the target's features for the next round's re-feed.
@@ -529,7 +531,7 @@ def _draft_extender(draft_def, draft_params):
 
 def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, gamma, sampling,
                   rng, *, rule: adaptive.AdaptiveGamma | None = None, round_gamma=None,
-                  active=None, costs=None):
+                  active=None, costs=None, reread=None):
   """Step 1 of a round: up to γ draft calls.
 
   Returns (q̃ `[B, G, V]`, x `[B, G]`, draft cache, `[B]` rows with bad draft logits, the
@@ -538,6 +540,8 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
   under draft-side stopping, see `speclm.adaptive`); x past it is 0 and q̃ past it is never
   read. The first call, which reads the newest tokens, is made in every round. At
   temperature 0 q̃ is None: it is one-hot on x, and `speculative.greedy_round` needs x alone.
+  A draft that sat out more rounds than its window of recent tokens holds first re-reads the
+  sequence with `reread()` (a cache holding C−2 positions; see `_reread_draft`).
   """
   keys = jax.random.split(rng, gamma)
   extend = _draft_extender(draft_def, draft_params)
@@ -546,21 +550,27 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     # Roll back to C−2 positions and re-feed [s_{C−2}, s_{C−1}] (see the module docstring),
     # with the target's features before them for a feature-conditioned draft.
     cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
-    logits, cache, feature = extend(jnp.stack([state.prev_token, state.pending_token], axis=1),
-                                    state.draft_features, cache)
+    newest = jnp.stack([state.prev_token, state.pending_token], axis=1)
+    if state.draft_features is None:
+      logits, cache = draft_def.extend_last(draft_params, newest, cache)
+      feature = None
+    else:
+      logits, cache, feature = extend(newest, state.draft_features, cache)
+      logits = logits[:, -1]
   else:
     # After `state.skipped` rounds without the draft (adaptive γ = 0), it is that many tokens
     # behind: roll back to C−g and re-feed the last g = skipped + 2 tokens (one compiled
-    # width per g, chosen by `lax.switch`).
+    # width per g, chosen by `lax.switch`). Past the window (skipped = W − 1) it re-reads
+    # the sequence up to C−2 first, then re-feeds [s_{C−2}, s_{C−1}].
     window = state.recent.shape[1]
 
-    def refeed(g):
-      cache = draft_def.rollback(state.draft_cache, target_lengths + 1 - g)
-      logits, cache = draft_def.extend(draft_params, state.recent[:, window - g:], cache)
-      return logits[:, -1:], cache
+    def refeed(g, cache):
+      cache = draft_def.rollback(cache, target_lengths + 1 - g)
+      return draft_def.extend_last(draft_params, state.recent[:, window - g:], cache)
 
-    logits, cache = jax.lax.switch(state.skipped, [functools.partial(refeed, g)
-                                                   for g in range(2, window + 1)])
+    branches = [functools.partial(refeed, g, state.draft_cache) for g in range(2, window + 1)]
+    branches.append(lambda: refeed(2, reread()))
+    logits, cache = jax.lax.switch(state.skipped, branches)
     feature = None
   greedy = sampling.is_greedy
 
@@ -571,7 +581,8 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     probs = sampling_lib.standardize(logits, sampling)
     return probs, sampling_lib.sample(key, probs)
 
-  first_probs, first_token = choose(logits[:, -1], keys[0])
+  # `logits` `[B, V]`: the draft's prediction after s_{C−1}, the first proposal's.
+  first_probs, first_token = choose(logits, keys[0])
   bad = _bad(logits)
 
   def propose(token, feature, cache, key):
@@ -594,7 +605,7 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
     return draft_probs, draft_tokens, cache, bad, gamma
 
   # Adaptive: a while loop that stops at the round's γ, or by `adaptive.keep_drafting`.
-  confidence = adaptive.draft_confidence(logits[:, -1], first_probs, greedy)
+  confidence = adaptive.draft_confidence(logits, first_probs, greedy)
   probs_buffer = None if greedy else jnp.zeros(
       (first_probs.shape[0], gamma) + first_probs.shape[1:],
       first_probs.dtype).at[:, 0].set(first_probs)
@@ -627,6 +638,39 @@ def _draft_tokens(draft_def, draft_params, state: _LoopState, target_lengths, ga
   num_drafted = jnp.where(round_gamma > 0, j, 0)
   drafted = jnp.arange(gamma)[None, :] < num_drafted
   return probs_buffer, jnp.where(drafted, token_buffer, 0), cache, bad, num_drafted
+
+
+def _reread_draft(draft_def, draft_params, prompts, lengths, tokens, target_lengths, capacity,
+                  chunk: int):
+  """A draft cache holding the first C−2 positions of every row, rebuilt from the sequence.
+
+  For a draft that stopped following (it sat out more rounds than its window of recent
+  tokens holds): a fresh `prefill` of the prompts, then the generated tokens `tokens`
+  `[B, T]` in `extend_last` calls of `chunk` tokens until every row holds C−2 =
+  `target_lengths − 1` positions (rows already there write past their length, which is
+  masked, and keep it). The chunk stays within one round's lookahead, which the cache has
+  room for.
+  """
+  cache = draft_def.init_cache(prompts.shape[0], capacity)
+  _, cache = draft_def.prefill(draft_params, prompts, lengths, cache)
+  prefix = jnp.broadcast_to(jnp.asarray(draft_def.prefix_length(lengths), jnp.int32),
+                            lengths.shape)
+  needed = target_lengths - 1
+  offsets = jnp.arange(chunk)[None, :]
+
+  def read_chunk(carry):
+    held, cache = carry
+    positions = jnp.clip(held - prefix, 0, tokens.shape[1] - chunk)[:, None] + offsets
+    _, cache = draft_def.extend_last(draft_params, jnp.take_along_axis(tokens, positions,
+                                                                       axis=1),
+                                     draft_def.rollback(cache, held))
+    held = jnp.maximum(held, jnp.minimum(held + chunk, needed))
+    return held, draft_def.rollback(cache, held)
+
+  held = draft_def.cache_lengths(cache)
+  _, cache = jax.lax.while_loop(lambda carry: jnp.any(carry[0] < needed), read_chunk,
+                                (held, cache))
+  return cache
 
 
 def _verify_and_accept(target_def, target_params, state: _LoopState, draft_probs, drafted,
@@ -747,30 +791,40 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
   """Algorithm 1 in a while loop. With an adaptive `rule` (its `structure()`, static),
   `rule_costs` is its `cost_vector()`; unused otherwise."""
   batch = prompts.shape[0]
-  # Prefill both models; a feature-conditioned draft reads the target's prompt features.
+  # Prefill both models; a feature-conditioned draft reads the target's prompt features. A
+  # draft that may sit rounds out (adaptive γ) is not prefilled: it reads the prompt when it
+  # first drafts (`_reread_draft`), so a batch that never speculates never runs it.
   draft_cache = draft_def.init_cache(batch, draft_capacity)
   target_cache = target_def.init_cache(batch, target_capacity)
   with_features = isinstance(draft_def, protocol.FeatureConditionedDraft)
+  lazy_draft = rule is not None and rule.max_skip > 0 and not with_features
   if with_features:
     logits, features, target_cache = target_def.prefill_with_features(
         target_params, prompts, lengths, target_cache)
     draft_cache, draft_features = _prefill_feature_draft(draft_def, draft_params, prompts,
                                                          lengths, features, draft_cache)
   else:
-    _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
+    if lazy_draft:  # a cache shaped as after prefill (an encoder-decoder's holds the input)
+      shaped = jax.eval_shape(draft_def.prefill, draft_params, prompts, lengths, draft_cache)[1]
+      draft_cache = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shaped)
+    else:
+      _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
     logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
     draft_features = None
   state = _start(target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length,
                  gamma, logits=logits, target_cache=target_cache, draft_cache=draft_cache,
                  draft_features=draft_features)
-  state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+  if not lazy_draft:
+    state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
   if rule is not None:
     state = state.replace(evidence_sum=jnp.zeros((batch,), jnp.float32),
                           evidence_count=jnp.zeros((batch,), jnp.float32))
-    if rule.max_skip and not with_features:
-      # The window of recent tokens starts as [0 … 0, s_{C−2}, s_{C−1}].
-      recent = jnp.zeros((batch, rule.max_skip + 2), jnp.int32)
-      state = state.replace(skipped=jnp.int32(0), recent=recent.at[:, -2].set(
+    if lazy_draft:
+      # The window of recent tokens starts as [0 … 0, s_{C−2}, s_{C−1}]; the draft has read
+      # nothing yet (`skipped` = W − 1: re-read before drafting).
+      window = rule.max_skip + 2
+      recent = jnp.zeros((batch, window), jnp.int32)
+      state = state.replace(skipped=jnp.int32(window - 1), recent=recent.at[:, -2].set(
           state.prev_token).at[:, -1].set(state.pending_token))
 
   def round_(state: _LoopState) -> _LoopState:
@@ -793,11 +847,14 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
           rule_costs)
     # 1. Draft: γ guesses x_1 … x_γ from q̃_1 … q̃_γ (k ≤ γ under an adaptive rule, and
     #    steps 2–3 then run at the width k).
-    #    When γ = 0 and the draft may still fall behind (`rule.max_skip`), it sits the round out.
+    #    When γ = 0 and the draft may fall behind (`rule.max_skip` > 0), it sits the round out.
     def draft(state):
+      reread = functools.partial(
+          _reread_draft, draft_def, draft_params, prompts, lengths, state.tokens,
+          target_lengths, draft_def.cache_capacity(state.draft_cache), gamma + 1)
       return _draft_tokens(draft_def, draft_params, state, target_lengths, gamma, sampling,
                            draft_key, rule=rule, round_gamma=round_gamma, active=active,
-                           costs=rule_costs)
+                           costs=rule_costs, reread=reread)
 
     def sit_out(state):
       return (None if sampling.is_greedy
@@ -807,7 +864,7 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
 
     draft_runs = True
     if state.skipped is not None:
-      draft_runs = (round_gamma > 0) | (state.skipped >= state.recent.shape[1] - 2)
+      draft_runs = round_gamma > 0
       draft_probs, drafted, draft_cache, draft_bad, num_drafted = jax.lax.cond(
           draft_runs, draft, sit_out, state)
     else:
@@ -843,12 +900,13 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
       state = state.replace(evidence_sum=evidence_sum, evidence_count=evidence_count)
     if state.skipped is not None:
       # The last W tokens after appending new_tokens[:, :n+1] (rows that did not append keep
-      # theirs), and the count of rounds the draft sat out.
+      # theirs), and the count of rounds the draft sat out (W − 1: more than the window holds).
       window = state.recent.shape[1]
       joined = jnp.concatenate([state.recent, new_tokens], axis=1)
       taken = jnp.take_along_axis(joined, (n + 1)[:, None] + jnp.arange(window)[None, :], axis=1)
       state = state.replace(recent=jnp.where(good[:, None], taken, state.recent),
-                            skipped=jnp.where(draft_runs, 0, state.skipped + 1))
+                            skipped=jnp.where(draft_runs, 0,
+                                              jnp.minimum(state.skipped + 1, window - 1)))
 
     return state.replace(
         tokens=tokens, num_generated=num_generated,

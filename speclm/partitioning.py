@@ -438,6 +438,10 @@ class ShardedDefinition(protocol.WrappedLanguageModel):
     logits, cache = self.inner.extend(params, tokens, cache)
     return logits, self._constrain(cache)
 
+  def extend_last(self, params, tokens, cache):
+    logits, cache = self.inner.extend_last(params, tokens, cache)
+    return logits, self._constrain(cache)
+
   def last_prefix_token(self, inputs, input_lengths):
     return self.inner.last_prefix_token(inputs, input_lengths)
 

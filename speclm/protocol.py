@@ -53,6 +53,18 @@ class LanguageModel(abc.ABC):
     with every row's length increased by K. K = 1 is a decode step; K = γ+1 is verification.
     """
 
+  def extend_last(self, params: Params, tokens: jax.Array, cache: Cache
+                  ) -> tuple[jax.Array, Cache]:
+    """`extend`, returning only the last position's logits `[B, V]`.
+
+    A draft catching up on tokens it has not read (the two it re-reads every round, or those
+    of rounds it sat out) needs only its prediction after the newest. Models override this to
+    apply their output head to that position alone: at a batch of 8 the head over every
+    re-read position cost more than the rest of the catch-up (docs/performance.md).
+    """
+    logits, cache = self.extend(params, tokens, cache)
+    return logits[:, -1], cache
+
   @abc.abstractmethod
   def prefix_length(self, input_lengths: jax.Array | int) -> jax.Array | int:
     """How many cache positions `prefill` fills for inputs of the given lengths."""

@@ -17,6 +17,7 @@ import pytest
 
 import speclm
 from speclm import adaptive
+from speclm import decoding
 from speclm import run
 from speclm import testing
 from speclm.analysis import measure
@@ -108,8 +109,7 @@ def test_choice_grows_with_alpha_and_stops_when_drafting_cannot_pay():
   gammas = [int(adaptive.choose_gamma(jnp.array([a]), one, rule)) for a in (0.3, 0.6, 0.9)]
   assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
   # c = 2: a draft call costs two target steps; even α = 0.9 cannot pay for it (Corollary
-  # 3.9 needs α > c), so the draft sits out (it still reads the missed tokens every
-  # max_skip + 1 rounds, which the γ = 0 cost counts).
+  # 3.9 needs α > c), so the draft sits out.
   assert int(adaptive.choose_gamma(jnp.array([0.9]), one, _rule(draft_cost=2.0))) == 0
   # Rows that stopped do not count: a finished row with α = 1 does not raise γ.
   both = jnp.array([0.1, 1.0])
@@ -168,15 +168,25 @@ def test_greedy_adaptive_equals_baseline(target, prompts, baseline, draft_name, 
       assert histogram[3:].sum() > 0  # α = 1: long proposals
 
 
-def test_skipped_rounds_keep_the_draft_in_step(target, prompts, baseline, scheduled):
-  """A draft that sat rounds out and caught up proposes exactly what a draft that read every
-  round proposes (same γ schedule): same β, same acceptances. With the draft = the target,
-  any state out of step would also show as α < 1."""
+@pytest.mark.parametrize('max_skip', [1, 2])
+def test_skipped_rounds_keep_the_draft_in_step(target, prompts, baseline, scheduled, max_skip,
+                                               monkeypatch):
+  """A draft that sat rounds out and caught up (from its window of recent tokens, or by
+  re-reading the sequence after more than max_skip rounds out) proposes exactly what a draft
+  that read every round proposes (same γ schedule): same β, same acceptances. With the
+  draft = the target, any state out of step would also show as α < 1."""
+  rereads = []
+  real_reread = decoding._reread_draft  # pylint: disable=protected-access
+
+  def counted(*args):
+    jax.debug.callback(lambda: rereads.append(1))
+    return real_reread(*args)
+  monkeypatch.setattr(decoding, '_reread_draft', counted)
   for draft in (target, lookup.lookup_first(_perturbed(target, 0.3, seed=1), min_ngram=1)):
     skipping, reading = (speclm.speculative_decode(target, draft, *prompts,
                                                     gamma=_rule(max_skip=skip),
                                                     max_new_tokens=MAX_NEW)
-                         for skip in (2, 0))
+                         for skip in (max_skip, 0))
     for result in (skipping, reading):
       np.testing.assert_array_equal(result.tokens, baseline.tokens)
     histogram = np.asarray(skipping.stats.gamma_histogram)
@@ -188,11 +198,33 @@ def test_skipped_rounds_keep_the_draft_in_step(target, prompts, baseline, schedu
                                reading.stats.beta_sum_per_row, rtol=1e-5)
     if draft is target:
       assert skipping.stats.alpha == pytest.approx(1.0)
-    # Rounds with k ≥ 1 made k draft calls; of the γ = 0 rounds only the catch-up ones (at
-    # most every third with max_skip = 2) made one: the others sat out.
-    proposals = 1 + int(np.sum(np.arange(6) * histogram))  # the prefill + every proposal
-    assert proposals <= int(skipping.stats.draft_calls) < proposals + histogram[0]
-    assert int(reading.stats.draft_calls) == proposals + histogram[0]
+    # Rounds with k ≥ 1 made k draft calls (the catch-up, and the first round's read of the
+    # prompt, ride on the first); γ = 0 rounds made none.
+    proposals = int(np.sum(np.arange(6) * histogram))
+    assert int(skipping.stats.draft_calls) == proposals
+    assert int(reading.stats.draft_calls) == 1 + proposals + histogram[0]  # + the prefill
+  assert rereads, 'the schedule never sat out more than max_skip rounds in a row'
+
+
+
+def test_an_encoder_decoder_draft_rereads_its_sequence(scheduled):
+  """T5: the re-read starts from the draft's own prefix (the decoder's start token), so a
+  T5 draft that sat out past its window proposes what one that read every round does."""
+  from speclm.models import t5  # pylint: disable=import-outside-toplevel
+  target = t5.random_model(vocab_size=VOCAB, emb_dim=16, seed=11)
+  draft = _perturbed(target, 0.2, seed=4)
+  prompts = np.random.RandomState(1).randint(2, VOCAB, size=(3, 7)), np.array([7, 3, 5])
+  baseline = speclm.autoregressive_decode(target, *prompts, max_new_tokens=MAX_NEW)
+  skipping, reading = (speclm.speculative_decode(target, draft, *prompts,
+                                                  gamma=_rule(max_skip=skip),
+                                                  max_new_tokens=MAX_NEW) for skip in (1, 0))
+  for result in (skipping, reading):
+    np.testing.assert_array_equal(result.tokens, baseline.tokens)
+  assert np.asarray(skipping.stats.gamma_histogram)[0] >= 2
+  np.testing.assert_array_equal(skipping.stats.accepted_histogram,
+                                reading.stats.accepted_histogram)
+  np.testing.assert_allclose(skipping.stats.beta_sum_per_row, reading.stats.beta_sum_per_row,
+                             rtol=1e-5)
 
 
 def test_skipping_off_means_the_draft_reads_every_round(target, prompts, baseline, scheduled):
@@ -287,9 +319,9 @@ def test_rules_differing_only_in_costs_share_one_compiled_loop(target, prompts):
 
 def test_round_costs_arithmetic(monkeypatch, target):
   """measure_round_costs turns whole-loop times into per-round costs in baseline steps: the
-  prefill (the draft's taken as c times the target's) comes off, the rest is divided by the
-  rounds the loop made and by the baseline's time per token, and c·max(γ, 1) comes off again
-  (γ = 0 drafts 1/(max_skip + 1) of a call). Timings are given, the rounds are the loop's."""
+  prefill (the draft's, where it drafts, taken as c times the target's) comes off, the rest is divided by the
+  rounds the loop made and by the baseline's time per token, and γ·c comes off again (a
+  γ = 0 round runs no draft). Timings are given, the rounds are the loop's."""
   draft = _perturbed(target, 0.3, seed=1)
   new, max_skip, prefill, step, draft_step = 8, 1, 0.5, 0.1, 0.01
   round_seconds = [0.13, 0.12, 0.15, 0.14]  # γ = 0 … 3; γ = 3 cheaper than γ = 2: noise
@@ -298,8 +330,8 @@ def test_round_costs_arithmetic(monkeypatch, target):
   def fake_rounds(runs, repeats, **_):
     del runs, repeats
     return [[s] for s in [draft_step * runner_steps[0], prefill, prefill + new * step]
-            + [(1 + draft_step / step) * prefill + loops[g] * round_seconds[g]
-               for g in range(4)]]
+            + [(1 + (draft_step / step if g else 0)) * prefill + loops[g] * round_seconds[g]
+               for g in range(4)]]  # a draft that sits every round out never reads the prompt
   runner_steps = []
   real_runner = measure._extend_runner  # pylint: disable=protected-access
 
@@ -320,7 +352,7 @@ def test_round_costs_arithmetic(monkeypatch, target):
   c, r = measure.measure_round_costs(target, draft, max_gamma=3, context_length=6,
                                      num_new_tokens=new, repeats=1, max_skip=max_skip)
   assert c == pytest.approx(draft_step / step)
-  expected = [round_seconds[g] / step - (g if g else 1 / (max_skip + 1)) * c for g in range(4)]
+  expected = [round_seconds[g] / step - g * c for g in range(4)]
   expected[3] = max(expected[3], expected[2])  # lifted: a wider round never costs less
   assert r == pytest.approx(expected)
   assert set(loops) == {0, 1, 2, 3} and all(n > 0 for n in loops.values())
@@ -341,6 +373,30 @@ def test_measured_costs_are_cached(tmp_path, monkeypatch, target):
                       lambda *a, **k: pytest.fail('measured again'))
   again = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
   assert again.verify_costs == rule.verify_costs
+
+
+def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch):
+  """The cost cache key covers the source of the loop, models and kernel (an edit to them
+  re-times), not the rest of speclm."""
+  for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc', 'run/job.py',
+               'adaptive.py', 'speculative.py', 'sampling.py', 'protocol.py'):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_text('# v1')
+  monkeypatch.setattr(measure, '__file__', str(tmp_path / 'analysis' / 'measure.py'))
+
+  def digest():
+    measure._timed_code_digest.cache_clear()  # pylint: disable=protected-access
+    return measure._timed_code_digest()  # pylint: disable=protected-access
+
+  first = digest()
+  (tmp_path / 'run' / 'job.py').write_text('# v2')
+  assert digest() == first
+  for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc'):
+    (tmp_path / name).write_text('# v2')
+    assert digest() != first
+    (tmp_path / name).write_text('# v1')
+  assert digest() == first
+  measure._timed_code_digest.cache_clear()  # pylint: disable=protected-access
 
 
 def _run_tiny(output_dir, *bindings):

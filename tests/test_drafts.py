@@ -271,3 +271,31 @@ def test_drafts_are_protocol_models():
     assert model.vocab_size == V
     model.definition.validate_params(model.params)
     hash(model.definition)
+
+
+def _last_position_models():
+  small = llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3)
+  from speclm.models import subset_vocab  # pylint: disable=import-outside-toplevel
+  inner = llama.random_model(vocab_size=9, embed_dim=16, num_layers=1, seed=4)
+  return {**_drafts(), 'llama': small,
+          'subset_vocab': subset_vocab.wrap(inner, np.arange(3, 11), V),
+          'resized_vocab': subset_vocab.resize_vocabulary(small, V + 5)}
+
+
+@pytest.mark.parametrize('kind', sorted(_last_position_models()))
+def test_extend_last_is_extend_at_the_last_position(kind):
+  """A draft catching up reads only its last prediction (`LanguageModel.extend_last`): the
+  same logits and the same cache as `extend`, for every draft kind and wrapper."""
+  model = _last_position_models()[kind]
+  d = model.definition
+  prompts = np.array([[3, 4, 5, 3, 4], [7, 8, 9, 10, 11]], np.int32)
+  lengths = np.array([5, 3], np.int32)
+  _, cache = d.prefill(model.params, prompts, lengths, d.init_cache(2, 16))
+  tokens = np.array([[5, 3, 4], [10, 11, 9]], np.int32)  # row 0: a lookup match at the end
+  logits, full_cache = jax.jit(d.extend)(model.params, tokens, cache)
+  last, last_cache = jax.jit(d.extend_last)(model.params, tokens, cache)
+  assert last.shape == (2, model.vocab_size)
+  np.testing.assert_allclose(last, logits[:, -1], atol=1e-5, rtol=1e-5)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5),
+                         last_cache, full_cache)
+  np.testing.assert_array_equal(d.cache_lengths(last_cache), [8, 6])

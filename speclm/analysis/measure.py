@@ -638,11 +638,11 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   γ every round (`_forcing_rule`), for γ = 0 … γ_max, beside the baseline loop, on
   `batch_size` random prompts of `context_length` tokens and `num_new_tokens` new ones, all
   interleaved within each of `repeats` rounds. The prompt's prefill (timed alone; the
-  draft's is taken as c times the target's) is subtracted, the rest divided by the rounds
+  draft's, where it reads the prompt, is taken as c times the target's) is subtracted, the rest divided by the rounds
   the loop made (`DecodeStats.target_calls` − 1) and by the baseline's time per token. That
-  gives each round's full cost in target steps; the rule's c·max(γ, 1) is taken off it (γ = 0
-  drafts 1/(max_skip+1) on average) so that `AdaptiveGamma.round_cost(γ)` returns the
-  measured round cost. r(0) > 1 then holds the γ = 0 round's overhead over a plain step.
+  gives each round's full cost in target steps; the rule's draft calls are taken off it (γ·c,
+  and for γ = 0 nothing, or c when max_skip = 0) so that `AdaptiveGamma.round_cost(γ)`
+  returns the measured round cost. r(0) > 1 then holds the γ = 0 round's overhead over a plain step.
 
   The forced rules differ only in their costs, which reach the loop as an array, so the
   γ_max + 1 runs share one compilation (the baseline and the prefill have their own);
@@ -679,25 +679,49 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   c = draft_s / draft_runner.num_steps / step
   verify = []
   for gamma, (total, num_rounds) in enumerate(zip(loop_s, rounds)):
-    round_steps = (total - (1.0 + c) * prefill_s) / max(num_rounds, 1) / step
-    draft_calls = gamma if gamma else 1.0 / (max_skip + 1)
+    # The draft reads the prompt once (in its first drafting round when it may sit out).
+    draft_prefill = c * prefill_s if (gamma or not max_skip) else 0.0
+    round_steps = (total - prefill_s - draft_prefill) / max(num_rounds, 1) / step
+    draft_calls = gamma if gamma else (0.0 if max_skip else 1.0)
     verify.append(max(round_steps - draft_calls * c, 0.05))
   # A wider round never costs less: a noisy sample that says so is lifted to the one before.
   verify = [verify[0]] + list(np.maximum.accumulate(verify[1:]))
   return c, tuple(float(r) for r in verify)
 
 
+# The modules whose code the timed rounds run: an edit to any of them (a change to the loop,
+# the models or the kernel) makes the cached timings stale.
+_TIMED_CODE = ('decoding.py', 'adaptive.py', 'speculative.py', 'sampling.py', 'protocol.py',
+               'models', 'kernels')
+
+
+@functools.lru_cache(maxsize=1)
+def _timed_code_digest() -> str:
+  """A digest of the source of `_TIMED_CODE` (in this installed copy of speclm)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  digest = hashlib.sha256()
+  for name in _TIMED_CODE:
+    path = os.path.join(root, name)
+    files = ([os.path.join(path, f) for f in sorted(os.listdir(path))
+              if f.endswith(('.py', '.cc'))] if os.path.isdir(path) else [path])
+    for file in files:
+      digest.update(os.path.relpath(file, root).encode())
+      with open(file, 'rb') as f:
+        digest.update(f.read())
+  return digest.hexdigest()[:16]
+
+
 def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_skip=3,
                     **timing) -> str:
-  """What the timings depend on: this machine, the software, the models' definitions and
-  parameter shapes, the batch size, γ_max and the context (and `timing`, the timing's own
-  settings where they are not the defaults)."""
+  """What the timings depend on: this machine, the software (speclm's timed code included:
+  `_TIMED_CODE`), the models' definitions and parameter shapes, the batch size, γ_max and the
+  context (and `timing`, the timing's own settings where they are not the defaults)."""
   def shapes(model):
     return [(str(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(model.params)]
   description = json.dumps({
       'machine': [platform.machine(), platform.processor(), os.cpu_count(),
                   jax.default_backend(), [d.device_kind for d in jax.devices()]],
-      'software': [jax.__version__, platform.python_version()],
+      'software': [jax.__version__, platform.python_version(), _timed_code_digest()],
       'target': [repr(target.definition), shapes(target)],
       'draft': [repr(draft.definition), shapes(draft)],
       'batch_size': batch_size, 'max_gamma': max_gamma, 'context_length': context_length,

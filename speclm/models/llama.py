@@ -499,6 +499,11 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     logits, _, cache = self.extend_with_features(params, tokens, cache)
     return logits, cache
 
+  def extend_last(self, params, tokens, cache):
+    hidden, cache = self.module.apply({'params': params}, tokens, cache)
+    logits = self.module.apply({'params': params}, hidden[:, -1:], method=LlamaModule.logits)
+    return logits[:, 0], cache
+
   def prefill_with_features(self, params, inputs, input_lengths, cache):
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     hidden, features, cache = self._features(params, inputs, cache)

@@ -228,6 +228,12 @@ class LookupFirst(protocol.LanguageModel):
     history, positions = _history_after_extend(cache.history, tokens)
     return self._combine(logits, history, positions), LookupFirstCache(fallback_cache, history)
 
+  def extend_last(self, params, tokens, cache):
+    logits, fallback_cache = self.fallback.extend_last(params, tokens, cache.fallback)
+    history, positions = _history_after_extend(cache.history, tokens)
+    logits = self._combine(logits[:, None], history, positions[:, -1:])[:, 0]
+    return logits, LookupFirstCache(fallback_cache, history)
+
   def extend_tree(self, params, tokens, tree, cache):
     """`extend` over a token tree. Where the lookup matches, the node's q is (nearly) its
     one-hot proposal, and the fallback's logits, far below it, keep their order: a tree's

@@ -60,6 +60,11 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
     logits, cache = self.inner.extend(params['inner'], self._to_inner(params, tokens), cache)
     return self._to_full(params, logits), cache
 
+  def extend_last(self, params, tokens, cache):
+    logits, cache = self.inner.extend_last(params['inner'], self._to_inner(params, tokens),
+                                           cache)
+    return self._to_full(params, logits), cache
+
   def extend_tree(self, params, tokens, tree, cache):
     logits, cache = self.inner.extend_tree(params['inner'], self._to_inner(params, tokens), tree,
                                            cache)
@@ -132,6 +137,10 @@ class ResizedVocabModel(protocol.WrappedLanguageModel):
 
   def extend(self, params, tokens, cache):
     logits, cache = self.inner.extend(params, self._to_inner(tokens), cache)
+    return self._resize(logits), cache
+
+  def extend_last(self, params, tokens, cache):
+    logits, cache = self.inner.extend_last(params, self._to_inner(tokens), cache)
     return self._resize(logits), cache
 
   def extend_tree(self, params, tokens, tree, cache):

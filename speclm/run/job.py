@@ -238,7 +238,9 @@ def run_job(*,
         raise JobError(f'run_job.tree: {e} (or a @tree_policy()).') from None
     if adaptive_gamma:
       raise JobError("run_job.tree and gamma = 'adaptive' exclude each other: a tree round"
-                     ' has its own shape; set one of them.')
+                     ' has its own shape (and a tree policy times the chain at a fixed γ). Set'
+                     ' GAMMA to an integer (--gin.GAMMA=3; demo.gin sets adaptive) or unset'
+                     ' run_job.tree.')
     if partitioner is not None:
       raise JobError('run_job.tree runs on one device; unset run_job.partitioner.')
   sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
