@@ -391,8 +391,10 @@ def run_job(*,
         bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
     except KeyboardInterrupt:
       bar.close()
+      # Counted from the file: Ctrl-C may land after a batch's write, before it was counted.
+      recorded = len(outputs_lib.read_predictions(out.predictions_path))
       raise Interrupted(
-          f'interrupted after {recorded_this_run} examples ({num_done + recorded_this_run} of'
+          f'interrupted after {recorded - num_done} examples ({recorded} of'
           f' {len(examples)} recorded in {job_dir}); rerun the same command to resume.'
       ) from None
     bar.close()
