@@ -664,7 +664,8 @@ def gamma_histograms(cases) -> dict[str, list[int]]:
   """Rounds by tokens drafted, summed over every round of each speculative case."""
   out = {}
   for case in cases:
-    if case.stats and case.new_tokens > 1 and int(case.stats[0].draft_calls) > 0:
+    # A baseline's histogram has one entry; an adaptive batch that never drafted still counts.
+    if case.stats and case.new_tokens > 1 and np.size(case.stats[0].gamma_histogram) > 1:
       total = sum(np.asarray(s.gamma_histogram) for s in case.stats)
       out[f'{case.name}, batch {case.batch_size}, T={case.temperature:g}'] = total.tolist()
   return out

@@ -27,6 +27,7 @@ from absl import flags
 
 import speclm
 from speclm import adaptive
+from speclm import decoding
 from speclm.analysis import measure
 from speclm.data import builtin_prompts
 from speclm.models import llama
@@ -104,8 +105,11 @@ def main(argv):
     if draft is None:
       result = speclm.autoregressive_decode(target, tokens, lengths, **kwargs)
     elif _MODE.value == 'adaptive':
-      result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=adaptive_rule(),
-                                         **kwargs)
+      # `speculative_decode` runs the baseline loop for a rule that never drafts; a forced
+      # γ = 0 profiles the adaptive loop's own γ = 0 rounds instead.
+      result = decoding._speculative_decode(  # pylint: disable=protected-access
+          target, draft, tokens, lengths, gamma=adaptive_rule(),
+          baseline_if_never_drafting=_FORCE_GAMMA.value is None, **kwargs)
     elif _MODE.value == 'tree':
       paths = [tuple(int(r) for r in path.split('.')) for path in _TREE_PATHS.value.split()]
       result = speclm.tree_speculative_decode(target, draft, tokens, lengths,

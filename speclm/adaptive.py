@@ -21,7 +21,9 @@ every round, and the draft may stop early within a round:
   all, which is what a batch too wide to gain from speculation needs. (With `max_skip` = 0
   the draft reads every round: γ = 0 then costs c + r(0).)
   Since the running α forgets old rounds (`decay`) and drifts back to the prior, a batch that
-  stopped speculating tries again later.
+  stopped speculating tries again later. A rule that chooses γ = 0 at the prior itself never
+  drafts at all (`never_drafts`: no round adds evidence), so `speculative_decode` runs the
+  baseline loop for it (on a 2-core CPU, batch 8 at prior α 0.5: docs/benchmarks.md).
 * **Within a round, from the draft's confidence** (`draft_stopping`). After proposing x_j the
   draft proposes x_{j+1} only if that raises the round's expected tokens per unit of cost.
   With a_{b,i} the draft's confidence in x_i (the largest probability of its distribution;
@@ -174,6 +176,20 @@ def choose_gamma(alpha: jax.Array, active: jax.Array, rule: AdaptiveGamma,
   tokens = jnp.sum(jnp.where(active[None, :], expected_tokens(alpha[None, :], gammas[:, None]),
                              0.0), axis=1)  # [γ_max + 1]
   return jnp.argmax(tokens / rule.round_cost(gammas, costs)).astype(jnp.int32)
+
+
+def never_drafts(rule: AdaptiveGamma) -> bool:
+  """Whether a loop under `rule` would choose γ = 0 in every round, whatever the prompts.
+
+  Before any evidence every row's α is the prior. If `choose_gamma` picks γ = 0 there, the
+  round drafts nothing and so adds no evidence (decay keeps a zero sum and count at zero), so
+  every row's α is still the prior in the next round, and the choice is the same: the rows
+  still generating contribute equal terms, so their number does not move the argmax. The
+  draft then never runs (draft-side stopping included: it only continues a round that drafts)
+  and `speculative_decode` runs the baseline loop instead.
+  """
+  prior = jnp.full((1,), rule.prior_alpha, jnp.float32)
+  return int(choose_gamma(prior, jnp.ones((1,), bool), rule)) == 0
 
 
 def draft_confidence(logits: jax.Array, probs: jax.Array, greedy: bool) -> jax.Array:

@@ -259,7 +259,23 @@ def speculative_decode(
   `adaptive.AdaptiveGamma` rule that chooses it every round, 0 … γ_max. With greedy sampling
   the output equals `autoregressive_decode(target, …)` token for token. With a `partitioner`
   the draft's parameters follow its draft rules (replicated by default).
+
+  A rule that chooses γ = 0 before it has any evidence never drafts (`adaptive.never_drafts`):
+  the decode is then `autoregressive_decode(target, …)` itself, which runs a plain step faster
+  than the adaptive loop runs a γ = 0 round. Its statistics count every step as a γ = 0 round.
   """
+  return _speculative_decode(
+      target, draft, prompt_tokens, prompt_lengths, gamma=gamma, sampling=sampling,
+      max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id, pad_id=pad_id,
+      cache_length=cache_length, partitioner=partitioner, baseline_if_never_drafting=True)
+
+
+def _speculative_decode(target, draft, prompt_tokens, prompt_lengths, *, gamma,
+                        sampling=sampling_lib.GREEDY, max_new_tokens=32, seed=0, eos_id=None,
+                        pad_id=0, cache_length=None, partitioner=None,
+                        baseline_if_never_drafting: bool) -> DecodeResult:
+  """`speculative_decode`. With `baseline_if_never_drafting` False an adaptive rule that never
+  drafts still runs its loop of γ = 0 rounds (`speclm.analysis.measure` times those)."""
   prompts, lengths, limits = _validate_common(target, prompt_tokens, prompt_lengths,
                                               sampling, max_new_tokens, seed, eos_id)
   rule = gamma if isinstance(gamma, adaptive.AdaptiveGamma) else None
@@ -267,6 +283,12 @@ def speculative_decode(
   check_pair(target, draft)
   if rule is not None and isinstance(draft.definition, protocol.FeatureConditionedDraft):
     rule = dataclasses.replace(rule, max_skip=0)  # it reads the target's features every round
+  if rule is not None and baseline_if_never_drafting and adaptive.never_drafts(rule):
+    _check_context(draft.definition, 'draft', lengths, limits)
+    baseline = autoregressive_decode(
+        target, prompts, lengths, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
+        eos_id=eos_id, pad_id=pad_id, cache_length=cache_length, partitioner=partitioner)
+    return _as_rounds_without_drafts(baseline, rule.max_gamma)
   target = protocol.target_for_feature_draft(target, draft)
   _check_context(target.definition, 'target', lengths, limits)
   _check_context(draft.definition, 'draft', lengths, limits)
@@ -385,6 +407,19 @@ def _capacity(definition: protocol.LanguageModel, prompt_width: int, max_new: in
 
 def _trim(result: DecodeResult, max_new: int) -> DecodeResult:
   return result.replace(tokens=result.tokens[:, :max_new])
+
+
+def _as_rounds_without_drafts(baseline: DecodeResult, max_gamma: int) -> DecodeResult:
+  """A baseline decode's result with the statistics an adaptive loop (γ_max = `max_gamma`)
+  keeps for the same decode made of γ = 0 rounds: each baseline step is a round that drafted
+  nothing (`gamma_histogram[0]`), and each round a row ended well accepted n = 0
+  (`accepted_histogram[0]`): all its tokens but the first, which prefill drew."""
+  stats = baseline.stats
+  rounds = stats.target_calls - 1  # prefill is the first target call
+  good_rounds = jnp.sum(jnp.maximum(baseline.lengths - 1, 0))
+  at_zero = jnp.zeros((max_gamma + 1,), jnp.int32).at[0]
+  return baseline.replace(stats=stats.replace(
+      accepted_histogram=at_zero.set(good_rounds), gamma_histogram=at_zero.set(rounds)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -236,6 +236,62 @@ def test_skipping_off_means_the_draft_reads_every_round(target, prompts, baselin
   assert int(stats.draft_calls) >= int(stats.target_calls)
 
 
+# Costs of a batch where speculation does not pay at the prior α 0.5 (batch 8 on 2 CPU cores
+# looks like this): γ = 1 yields 1.5 tokens for 2.3 steps against 1 for 1.
+NOT_PAYING = dict(max_gamma=3, draft_cost=0.3, verify_costs=(1.0, 2.0, 2.2, 2.4))
+
+
+def test_never_drafts_is_the_choice_at_the_prior():
+  rule = _rule(**NOT_PAYING)
+  assert adaptive.never_drafts(rule)
+  assert not adaptive.never_drafts(_rule(**NOT_PAYING, prior_alpha=0.95))  # 3.71 / 3.3 > 1
+  assert not adaptive.never_drafts(_rule())
+  # The count of rows still generating does not move the choice at the prior.
+  for rows in (1, 3, 8):
+    prior = jnp.full((rows,), 0.5)
+    assert int(adaptive.choose_gamma(prior, jnp.ones((rows,), bool), rule)) == 0
+
+
+@pytest.mark.parametrize('max_skip', [3, 0])
+def test_a_rule_that_never_drafts_runs_the_baseline(target, prompts, baseline, max_skip,
+                                                    monkeypatch):
+  """A rule that chooses γ = 0 at its prior would run γ = 0 rounds to the end; the decode is
+  the baseline loop instead, with the statistics those rounds would have kept (rows ending
+  early on an end token and on their own limits)."""
+  rule = _rule(**NOT_PAYING, max_skip=max_skip)
+  draft = _perturbed(target, 0.3, seed=1)
+  kwargs = dict(max_new_tokens=[MAX_NEW, 5, MAX_NEW, 12],
+                eos_id=int(np.asarray(baseline.tokens)[0, 9]))
+  rounds = decoding._speculative_decode(  # pylint: disable=protected-access
+      target, draft, *prompts, gamma=rule, baseline_if_never_drafting=False, **kwargs)
+  plain = speclm.autoregressive_decode(target, *prompts, **kwargs)
+
+  def no_loop(*args, **kw):
+    raise AssertionError('the speculative loop ran')
+  monkeypatch.setattr(decoding, '_speculative_jit', no_loop)
+  result = speclm.speculative_decode(target, draft, *prompts, gamma=rule, **kwargs)
+  assert list(np.asarray(result.stop_reasons)) != [decoding.StopReason.MAX_NEW_TOKENS] * 4
+  for other in (rounds, plain):
+    np.testing.assert_array_equal(result.tokens, other.tokens)
+    np.testing.assert_array_equal(result.lengths, other.lengths)
+    np.testing.assert_array_equal(result.stop_reasons, other.stop_reasons)
+  assert int(result.stats.draft_calls) == 0
+  if max_skip:  # (with max_skip = 0 the rounds also re-feed the draft every round)
+    for name in ('target_calls', 'draft_calls', 'target_calls_per_row', 'accepted_per_row',
+                 'accepted_histogram', 'beta_sum', 'beta_count', 'beta_sum_per_row',
+                 'beta_count_per_row', 'gamma_histogram'):
+      np.testing.assert_array_equal(getattr(result.stats, name), getattr(rounds.stats, name),
+                                    err_msg=name)
+  else:
+    assert int(rounds.stats.draft_calls) > 0
+  # Sampled: the baseline itself, draw for draw.
+  hot = speclm.SamplingConfig(temperature=1.0)
+  np.testing.assert_array_equal(
+      speclm.speculative_decode(target, draft, *prompts, gamma=rule, sampling=hot, seed=5,
+                                **kwargs).tokens,
+      speclm.autoregressive_decode(target, *prompts, sampling=hot, seed=5, **kwargs).tokens)
+
+
 SMALL_VOCAB = 6
 PROMPT = np.array([3, 1, 4, 1, 5], np.int32)
 SAMPLES = 20_000
@@ -341,14 +397,16 @@ def test_round_costs_arithmetic(monkeypatch, target):
     return made
   monkeypatch.setattr(measure, '_extend_runner', runner)
   monkeypatch.setattr(measure.benchmarking, 'interleaved_rounds', fake_rounds)
-  real_decode = measure.decoding.speculative_decode
+  real_decode = measure.decoding._speculative_decode  # pylint: disable=protected-access
 
-  def counting(*args, gamma, **kwargs):
-    result = real_decode(*args, gamma=gamma, **kwargs)
+  def counting(*args, gamma, baseline_if_never_drafting, **kwargs):
+    # γ = 0 is timed on the loop's own rounds (a rule forcing it never drafts).
+    assert not baseline_if_never_drafting
+    result = real_decode(*args, gamma=gamma, baseline_if_never_drafting=False, **kwargs)
     forced = int(np.argmin(gamma.verify_costs))
     loops[forced] = int(result.stats.target_calls) - 1
     return result
-  monkeypatch.setattr(measure.decoding, 'speculative_decode', counting)
+  monkeypatch.setattr(measure.decoding, '_speculative_decode', counting)
   c, r = measure.measure_round_costs(target, draft, max_gamma=3, context_length=6,
                                      num_new_tokens=new, repeats=1, max_skip=max_skip)
   assert c == pytest.approx(draft_step / step)
@@ -424,3 +482,35 @@ def test_job_with_adaptive_gamma_reports_the_gamma_histogram(tmp_path, monkeypat
 def test_job_refuses_a_bad_gamma(tmp_path):
   with pytest.raises(run.JobError, match="adaptive"):
     _run_tiny(tmp_path, "GAMMA = 'adaptiv'")
+  with pytest.raises(run.JobError, match=r"prior_alpha must be a number in \[0, 1\]"):
+    _run_tiny(tmp_path, "GAMMA = 'adaptive'", 'run_job.prior_alpha = 1.5')
+
+
+@pytest.mark.parametrize('prior_alpha', [0.5, 0.95])
+def test_job_whose_rule_never_drafts_decodes_with_the_baseline(tmp_path, monkeypatch,
+                                                               prior_alpha):
+  """With costs where drafting does not pay at the prior, the job says so, every round is a
+  γ = 0 round and metrics.json notes it; a higher prior makes the same job draft."""
+  monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path / 'costs'))
+  monkeypatch.setattr(measure, 'measure_round_costs',
+                      lambda *a, **k: (NOT_PAYING['draft_cost'], NOT_PAYING['verify_costs']))
+  gin.clear_config()
+  stream = io.StringIO()
+  try:
+    run.parse_gin(['test_tiny.gin'], [f"OUTPUT_DIR = '{tmp_path / 'out'}'", "GAMMA = 'adaptive'",
+                                      'run_job.max_gamma = 3',
+                                      f'run_job.prior_alpha = {prior_alpha}'])
+    metrics = run.run_job(progress_stream=stream)  # pylint: disable=missing-kwoa
+  finally:
+    gin.clear_config()
+  never = prior_alpha == 0.5
+  assert metrics['identical_output_rate'] == 1.0
+  assert metrics['cost_measurement']['never_drafts'] is never
+  assert metrics['cost_measurement']['prior_alpha'] == prior_alpha
+  histogram = metrics['gamma_histogram']
+  if never:
+    assert histogram[0] > 0 and sum(histogram[1:]) == 0, histogram
+  else:  # the first rounds draft (α 0.95 until evidence says otherwise)
+    assert sum(histogram[1:]) > 0, histogram
+  assert ('the baseline loop decodes' in stream.getvalue()) is never
+  assert any('the baseline loop decoded' in note for note in metrics['notes']) is never

@@ -157,6 +157,10 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | st
       metrics['cost_measurement'] = cost
       notes.append('γ was chosen every round (adaptive): the fixed-γ Theorem 3.8 predictions'
                    ' do not apply; gamma_histogram counts the rounds by tokens drafted.')
+      if cost.get('never_drafts'):
+        notes.append(f"At the prior α {cost['prior_alpha']:g} the adaptive rule chooses γ = 0,"
+                     ' so no round drafts: the baseline loop decoded (a higher'
+                     ' run_job.prior_alpha makes the batch try drafting).')
     elif cost is not None:
       metrics['c'] = cost['c']
       metrics['r'] = cost['r']

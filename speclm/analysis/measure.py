@@ -663,8 +663,11 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   cache = target.definition.init_cache(batch_size,
                                        context_length + num_new_tokens + max_gamma + 2)
   prefill = jax.jit(target.definition.prefill)
-  loops = [functools.partial(decoding.speculative_decode, target, draft, prompts, lengths,
-                             gamma=_forcing_rule(max_gamma, gamma, max_skip), **common)
+  # γ = 0 too runs the adaptive loop's rounds (`speculative_decode` would run the baseline for
+  # a rule that never drafts): r(0) prices a γ = 0 round between drafting ones.
+  loops = [functools.partial(decoding._speculative_decode, target, draft, prompts, lengths,
+                             gamma=_forcing_rule(max_gamma, gamma, max_skip),
+                             baseline_if_never_drafting=False, **common)
            for gamma in range(max_gamma + 1)]
   runs = [draft_runner.run,
           lambda: prefill(target.params, prompts, lengths, cache)[0],

@@ -20,6 +20,7 @@ import gin
 import jax
 import numpy as np
 
+from speclm import adaptive
 from speclm import decoding
 from speclm import outputs as outputs_lib
 from speclm import partitioning
@@ -137,6 +138,7 @@ def run_job(*,
             gamma: int | str = 4,
             max_gamma: int = 4,
             draft_stopping: bool = False,
+            prior_alpha: float = 0.5,
             tree: Any = None,
             sampling: Any = sampling_lib.GREEDY,
             max_new_tokens: int = 64,
@@ -168,8 +170,11 @@ def run_job(*,
     gamma: tokens drafted per target call (γ), or 'adaptive': γ chosen every round from the
       running α, c and r(γ) (`speclm.adaptive`; c and r timed once per machine, model pair
       and batch size, then cached).
-    max_gamma, draft_stopping: with gamma = 'adaptive', the largest γ, and whether the draft
-      may stop early (or go on up to max_gamma) on its own confidence.
+    max_gamma, draft_stopping, prior_alpha: with gamma = 'adaptive', the largest γ, whether
+      the draft may stop early (or go on up to max_gamma) on its own confidence, and the α a
+      row is assumed to have before any evidence. Where the rule chooses γ = 0 at that prior
+      (a batch too wide for speculation to pay) it never drafts, and the job decodes with the
+      baseline loop (`speclm.adaptive.never_drafts`).
     tree: a token tree (`@token_tree()` static, `@dynamic_tree()` EAGLE-2; see
       `speclm.token_trees`): each round verifies the tree in one target call instead of a
       chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only. Or
@@ -226,6 +231,9 @@ def run_job(*,
   except ValueError as e:
     raise JobError(f"run_job.{'max_gamma' if adaptive_gamma else 'gamma'}: {e} (gamma may"
                    f" also be '{ADAPTIVE}').") from None
+  if adaptive_gamma and (isinstance(prior_alpha, bool) or not isinstance(prior_alpha, (int, float))
+                         or not 0.0 <= prior_alpha <= 1.0):
+    raise JobError(f'run_job.prior_alpha must be a number in [0, 1], got {prior_alpha!r}.')
   policy = None  # a TreePolicy: the tree is chosen at start-up (step 4)
   if tree is not None:
     tree = providers.provide(tree, 'The token tree setting')
@@ -341,7 +349,14 @@ def run_job(*,
             ' per machine) …', file=progress_stream or sys.stderr, flush=True)
       rule = measure.measure_adaptive_gamma(
           target_model, draft_model, max_gamma=max_gamma, batch_size=batch_size,
-          context_length=_cost_context(encoded, max_new_tokens), draft_stopping=draft_stopping)
+          context_length=_cost_context(encoded, max_new_tokens), draft_stopping=draft_stopping,
+          prior_alpha=float(prior_alpha))
+      if adaptive.never_drafts(rule):
+        print(f'Adaptive γ: at the prior α {rule.prior_alpha:g} drafting does not pay at batch'
+              f' {batch_size} (c {rule.draft_cost:.3f}, r(0 … {max_gamma})'
+              f' {", ".join(f"{r:.2f}" for r in rule.verify_costs)}), so no round would draft:'
+              ' the baseline loop decodes. A higher run_job.prior_alpha makes it try.',
+              file=progress_stream or sys.stderr, flush=True)
 
     # 3. The directory is accepted: the full fingerprint (models included) is recorded or
     #    matched, and only now does anything in it change.
@@ -405,6 +420,7 @@ def run_job(*,
     if rule is not None:
       cost = {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
               'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
+              'prior_alpha': rule.prior_alpha, 'never_drafts': adaptive.never_drafts(rule),
               'batch_size': batch_size}
     elif measure_cost and draft_model is not None and speculate:
       # A tree's verification costs about a chain's of as many rows (r for its nodes).
