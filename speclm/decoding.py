@@ -283,15 +283,14 @@ def _speculative_decode(target, draft, prompt_tokens, prompt_lengths, *, gamma,
   check_pair(target, draft)
   if rule is not None and isinstance(draft.definition, protocol.FeatureConditionedDraft):
     rule = dataclasses.replace(rule, max_skip=0)  # it reads the target's features every round
+  _check_context(draft.definition, 'draft', lengths, limits)
   if rule is not None and baseline_if_never_drafting and adaptive.never_drafts(rule):
-    _check_context(draft.definition, 'draft', lengths, limits)
     baseline = autoregressive_decode(
         target, prompts, lengths, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
         eos_id=eos_id, pad_id=pad_id, cache_length=cache_length, partitioner=partitioner)
     return _as_rounds_without_drafts(baseline, rule.max_gamma)
   target = protocol.target_for_feature_draft(target, draft)
   _check_context(target.definition, 'target', lengths, limits)
-  _check_context(draft.definition, 'draft', lengths, limits)
   width = prompts.shape[1]
   if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
     raise ValueError(
