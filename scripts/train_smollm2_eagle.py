@@ -5,18 +5,23 @@ Two kinds (--feature_layers):
     middle and a high decoder layer (2, 15, 27), concatenated and projected, plus the sampled
     token's embedding; one decoder layer of SmolLM2's width; SmolLM2's own embedding rows for
     the shipped draft's token subset as its head. Trained with "training-time test": unrolled
-    on its own predictions for --ttt_steps steps (`eagle.training_time_test`), cross-entropy
-    against the next token at every step (weights 0.8^step), so that it learns from the states
-    it meets while drafting.
+    on its own predictions for --ttt_steps steps (`eagle.training_time_test`), the token loss
+    at every step (weights 0.8^step), so that it learns from the states it meets while
+    drafting.
   * EAGLE (`final`): it reads SmolLM2's final hidden states and predicts the next one; loss
-    smooth-L1(ĥ_k, h_k) + --cls_weight × next-token cross-entropy, teacher-forced, with uniform
-    noise of ±--feature_noise on the input features.
+    smooth-L1(ĥ_k, h_k) + --cls_weight × the token loss, teacher-forced, with uniform noise of
+    ±--feature_noise on the input features.
+The token loss is distillation: --soft_weight × cross-entropy against SmolLM2's own
+temperature-1 distribution at each position (its top --label_top_k tokens) + the rest ×
+next-token cross-entropy. α = E[Σ min(p, q)] (paper eq. 1) rewards q close to p itself, which
+the soft labels give at every position, not only at the one token a reply took.
 
 Stages (each resumable, on CPU or a GPU):
   1. data: the replies `scripts/train_smollm2_draft.py --stage=generate` writes into the same
      --work_dir (gen_*.npz); run that first.
   2. features: SmolLM2's features at every position of those sequences, only the layers read
-     (feat[-l2-15-27]_*.npz, bfloat16 stored as uint16).
+     (feat[-l2-15-27]_*.npz, bfloat16 stored as uint16), and from the same forward pass its
+     soft labels (label_*.npz, the format of train_smollm2_draft.py --stage=label).
   3. train: AdamW, the decoder layer starting from target layer --init_layer, the others random.
   4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
      own β statistics; writes the safetensors file and its MODEL_CARD.md.
@@ -25,24 +30,22 @@ Stages (each resumable, on CPU or a GPU):
       --sampled_replies=0 --gen_batch=64 --prompt_width=64
   python scripts/train_smollm2_eagle.py --work_dir=/tmp/w
 
-On 2 CPU cores (docs/drafts.md): generating ran at 60–85 reply tokens/s, the three layers'
-features at about 25 s per 64 sequences, training-time test (2 steps, batch 8) at 2–3 s a
-step. The run that can reach the issue's α is a GPU one; the plan for a 15-minute lease (not
-run yet: no GPU was lent since this script was written) is the shipped draft's generation
-with requests on passages added, then this script, then α on the CPU:
+On 2 CPU cores (docs/drafts.md): generating ran at 60–130 reply tokens/s (batch 64–128; the
+packed CPU kernel gave no gain at batch 32), features and soft labels at 35–60 s per 64–128
+sequences, training-time test (2 steps, batch 8) at 2–3 s a step. The run that can reach the
+issue's α is a GPU one: `scripts/train_smollm2_eagle_gpu.sh` is the whole plan for a lease as
+one command (not run yet: no GPU was lent since it was written), the shipped draft's
+generation with requests on passages added, then this script; then α on the CPU:
 
-  python scripts/train_smollm2_draft.py --work_dir=/tmp/w --stage=generate --num_prompts=960 \
-      --self_prompts=16384 --grounded_prompts=2048 --sampled_replies=1 --gen_batch=512 \
-      --prompt_width=128 --gen_budget_s=300 --matmul_precision=highest
-  python scripts/train_smollm2_eagle.py --work_dir=/tmp/w --noevaluate --batch_size=64 \
-      --feature_batch=128 --width_bucket=64 --epochs=4 --train_budget_s=180 \
-      --matmul_precision=highest
-  python scripts/train_smollm2_eagle.py --work_dir=/tmp/w --stage=evaluate   # on the CPU
+  OUT_DIR=/tmp/out bash scripts/train_smollm2_eagle_gpu.sh                   # on the GPU
+  python scripts/train_smollm2_eagle.py --work_dir=/tmp/w --output_dir=/tmp/out \
+      --stage=evaluate                                                      # on the CPU
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import time
@@ -102,6 +105,13 @@ _GAMMA = flags.DEFINE_integer('gamma', 3, 'γ used when measuring α.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'New tokens per prompt when measuring α.')
 _EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16,
                                      'Held-out prompts for α (and at most this many demo ones).')
+_TOP_K = flags.DEFINE_integer('label_top_k', 16, 'Target tokens kept per position as soft'
+                              ' labels (label_*.npz, written by the features stage where'
+                              ' missing; 0: none, next-token labels only).')
+_SOFT_WEIGHT = flags.DEFINE_float('soft_weight', 0.7,
+                                  'Weight of cross-entropy against the soft labels in the token'
+                                  ' loss (the rest is next-token cross-entropy); 0 without'
+                                  ' --label_top_k.')
 
 
 def feature_layers(num_target_layers: int = 30) -> tuple[int, ...] | None:
@@ -122,6 +132,12 @@ def feature_file(shard: str, layers: tuple[int, ...] | None) -> str:
   """Where the features of `layers` for the data shard gen_*.npz go."""
   tag = '' if layers is None else '-l' + '-'.join(map(str, layers))
   return shard.replace('gen_', f'feat{tag}_')
+
+
+def label_file(shard: str) -> str:
+  """Where the target's soft labels for the data shard gen_*.npz go (the format
+  scripts/train_smollm2_draft.py --stage=label writes: either script reuses the other's)."""
+  return shard.replace('gen_', 'label_')
 
 
 def as_float32(features: np.ndarray) -> np.ndarray:
@@ -145,50 +161,74 @@ def _bucket(width: int) -> int:
 
 
 def features(target, layers) -> None:
-  """Writes the target's features `[N, T, F]` of each shard (`feature_file`): those of `layers`
-  (None: the final hidden states), bfloat16 stored as uint16."""
+  """Writes, for each shard, the target's features `[N, T, F]` (`feature_file`): those of
+  `layers` (None: the final hidden states), bfloat16 stored as uint16; and, with
+  --label_top_k, its temperature-1 next-token distribution at every position as soft labels
+  (`label_file`: the top k probabilities, float16, and their ids). One forward pass gives both;
+  a shard with both files is skipped."""
   shards = _shards('gen_*.npz')
   if not shards:
     raise FileNotFoundError(f'No generated data in {", ".join(_WORK_DIR.value)}; run'
                             ' scripts/train_smollm2_draft.py --stage=generate first.')
   definition = target.definition.with_feature_layers(layers)
+  top_k = _TOP_K.value
 
   @jax.jit
-  def hidden(params, tokens):
+  def forward(params, tokens):
     cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
-    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    features = definition.prefill_with_features(params, tokens, lengths, cache)[1]
-    return jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), jnp.uint16)
+    logits, features, _ = definition.extend_with_features(params, tokens, cache)
+    features = jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), jnp.uint16)
+    probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), max(top_k, 1))
+    return features, probs.astype(jnp.float16), ids
 
   for shard in shards:
-    out = feature_file(shard, layers)
-    if os.path.exists(out):
+    out, labels_out = feature_file(shard, layers), label_file(shard)
+    if os.path.exists(out) and (not top_k or os.path.exists(labels_out)):
       continue
     start = time.time()
     with np.load(shard) as data:
       tokens = data['tokens']
     (rows, width), step = tokens.shape, _FEATURE_BATCH.value
     tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(width) - width)])
-    feats = [np.asarray(hidden(target.params, jnp.asarray(tokens[i:i + step])))
+    parts = [jax.device_get(forward(target.params, jnp.asarray(tokens[i:i + step])))
              for i in range(0, len(tokens), step)]
-    tmp = out + '.tmp.npz'
-    np.savez(tmp, features=np.concatenate(feats)[:rows, :width], seconds=time.time() - start,
-             layers=np.asarray(layers if layers is not None else [], np.int32))
-    os.replace(tmp, out)
-    logging.info('features of %s in %.1fs', os.path.basename(shard), time.time() - start)
+    seconds = time.time() - start
+    if not os.path.exists(out):
+      _save(out, features=np.concatenate([f for f, _, _ in parts])[:rows, :width],
+            seconds=seconds, layers=np.asarray(layers if layers is not None else [], np.int32))
+    if top_k and not os.path.exists(labels_out):
+      _save(labels_out, probs=np.concatenate([p for _, p, _ in parts])[:rows, :width],
+            ids=np.concatenate([i for _, _, i in parts])[:rows, :width].astype(np.int32))
+    logging.info('features%s of %s in %.1fs', ' and soft labels' if top_k else '',
+                 os.path.basename(shard), seconds)
+
+
+def _save(path: str, **arrays) -> None:
+  """np.savez to `path`, whole or not at all (an interrupted run leaves no partial file)."""
+  tmp = path + '.tmp.npz'
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
 
 
 def load_data(layers):
-  """[(tokens [T], features [T, F] as stored, prompt length)] per sequence, for the training
-  and held-out shards."""
+  """[(tokens [T], features [T, F] as stored, prompt length, soft labels)] per sequence, for
+  the training and held-out shards; soft labels are (probabilities [T, k], ids [T, k]), or
+  None without --label_top_k."""
   pairs = []
   for shard in _shards('gen_*.npz'):
     feat = feature_file(shard, layers)
     if not os.path.exists(feat):
       raise FileNotFoundError(f'{feat} is missing; run --stage=features first.')
+    soft = itertools.repeat(None)
+    if _TOP_K.value:
+      if not os.path.exists(label_file(shard)):
+        raise FileNotFoundError(f'{label_file(shard)} is missing; run --stage=features first.')
+      with np.load(label_file(shard)) as labels:
+        soft = [(p, i) for p, i in zip(labels['probs'], labels['ids'])]
     with np.load(shard) as data, np.load(feat) as f:
-      pairs.append([(row[:n], h[:n], p) for row, n, h, p in
-                    zip(data['tokens'], data['lengths'], f['features'], data['prompt_lengths'])])
+      pairs.append([(row[:n], h[:n], p, None if s is None else (s[0][:n], s[1][:n]))
+                    for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
+                                               data['prompt_lengths'], soft)])
   cut = len(pairs) - _HELDOUT_SHARDS.value
   return sum(pairs[:cut], []), sum(pairs[cut:], [])
 
@@ -198,55 +238,77 @@ def load_data(layers):
 
 
 def make_batch(seqs, picked, to_head, replies_only=False):
-  """(tokens, true features, head labels, mask) for the sequences `picked`, padded; the mask
-  covers every position with a next token, or only those predicting reply tokens."""
+  """(tokens, true features, head labels, soft probabilities, soft head labels, mask) for the
+  sequences `picked`, padded. Labels are head indices (−1: outside the head); the soft ones
+  `[B, T, k]` are the target's top-k tokens at each position, probability 0 where outside the
+  head or where there are no soft labels. The mask covers every position with a next token, or
+  only those predicting reply tokens."""
   width = _bucket(max(len(seqs[i][0]) for i in picked))
   dim = seqs[picked[0]][1].shape[-1]  # D
+  top_k = max(_TOP_K.value, 1)
   tokens = np.zeros((len(picked), width), np.int32)
   feats = np.zeros((len(picked), width, dim), np.float32)
   labels = np.zeros((len(picked), width), np.int32)
+  soft_probs = np.zeros((len(picked), width, top_k), np.float32)
+  soft_labels = np.zeros((len(picked), width, top_k), np.int32)
   mask = np.zeros((len(picked), width), np.float32)
   for b, i in enumerate(picked):
-    s, h, prompt_length = seqs[i]
+    s, h, prompt_length, soft = seqs[i]
     tokens[b, :len(s)] = s
     feats[b, :len(s)] = as_float32(h)
     labels[b, :len(s) - 1] = to_head[s[1:]]
+    if soft is not None:
+      probs, ids = soft[0][:, :top_k], to_head[soft[1][:, :top_k]]
+      soft_probs[b, :len(s), :probs.shape[1]] = np.where(ids >= 0, probs, 0.0)
+      soft_labels[b, :len(s), :ids.shape[1]] = np.maximum(ids, 0)
     mask[b, prompt_length - 1 if replies_only else 0:len(s) - 1] = 1.0
-  return tokens, feats, labels, mask
+  return tokens, feats, labels, soft_probs, soft_labels, mask
 
 
-def loss_fn(definition, frozen, trained, tokens, feats, labels, mask, noise):
-  """EAGLE's loss: smooth-L1 on the predicted features + weighted next-token cross-entropy
-  (over head tokens; positions whose next token is outside the head count in the former only).
-  Returns (loss, (accuracy of the head's argmax, mean smooth-L1))."""
+def token_loss(logits, labels, soft_probs, soft_labels, mask):
+  """Mean over masked positions of --soft_weight × cross-entropy against the target's soft
+  labels (its top-k probabilities, those of head tokens: the rest of its mass has q̃ = 0) +
+  the rest × next-token cross-entropy (over positions whose next token is in the head)."""
+  log_q = jax.nn.log_softmax(logits, -1)
+  in_head = mask * (labels >= 0)
+  nll = -jnp.take_along_axis(log_q, jnp.maximum(labels, 0)[..., None], -1)[..., 0]
+  hard = jnp.sum(nll * in_head) / jnp.maximum(in_head.sum(), 1.0)
+  weight = _SOFT_WEIGHT.value if _TOP_K.value else 0.0
+  if not weight:
+    return hard
+  soft_nll = -jnp.sum(soft_probs * jnp.take_along_axis(log_q, soft_labels, -1), -1)
+  soft = jnp.sum(soft_nll * mask) / jnp.maximum(mask.sum(), 1.0)
+  return weight * soft + (1 - weight) * hard
+
+
+def loss_fn(definition, frozen, trained, tokens, feats, labels, soft_probs, soft_labels, mask,
+            noise):
+  """EAGLE's loss: smooth-L1 on the predicted features + --cls_weight × `token_loss`
+  (positions whose next token is outside the head count in the former and the soft labels
+  only). Returns (loss, (accuracy of the head's argmax, mean smooth-L1))."""
   before = jnp.pad(feats[:, :-1], ((0, 0), (1, 0), (0, 0))) + noise
   cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
   predicted, logits, _ = definition.apply({**frozen, **trained}, tokens, before, cache)
   total = jnp.maximum(mask.sum(), 1.0)
   regression = jnp.sum(optax.huber_loss(predicted, feats).mean(-1) * mask) / total
-  in_head = mask * (labels >= 0)
-  safe = jnp.maximum(labels, 0)
-  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), safe[..., None], -1)[..., 0]
-  cls = jnp.sum(nll * in_head) / jnp.maximum(in_head.sum(), 1.0)
+  cls = token_loss(logits, labels, soft_probs, soft_labels, mask)
   correct = (jnp.argmax(logits, -1) == labels) * mask
   return regression + _CLS_WEIGHT.value * cls, (correct.sum() / total, regression)
 
 
-def ttt_loss_fn(definition, frozen, trained, tokens, feats, labels, mask, noise):
-  """EAGLE-3's loss: next-token cross-entropy (over head tokens) at every step of the draft
-  unrolled on its own features (`eagle.training_time_test`), step j weighted 0.8^j; step j
-  counts positions t ≥ j only (a round's j-th proposal follows a verified position t − j).
-  Returns (loss, (argmax accuracy at step 0, at the last step))."""
+def ttt_loss_fn(definition, frozen, trained, tokens, feats, labels, soft_probs, soft_labels,
+                mask, noise):
+  """EAGLE-3's loss: `token_loss` at every step of the draft unrolled on its own features
+  (`eagle.training_time_test`), step j weighted 0.8^j; step j counts positions t ≥ j only (a
+  round's j-th proposal follows a verified position t − j). Returns (loss, (argmax accuracy
+  at step 0, at the last step))."""
   del noise  # the unrolled steps, not noise, show the draft its own features
   steps = _TTT_STEPS.value
   logits = eagle.training_time_test(definition, {**frozen, **trained}, tokens, feats, steps)
-  safe = jnp.maximum(labels, 0)
   total_loss, total_weight, accuracies = 0.0, 0.0, []
   for j in range(steps):
     counted = mask * (jnp.arange(tokens.shape[1]) >= j)[None, :]
-    in_head = counted * (labels >= 0)
-    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits[j], -1), safe[..., None], -1)[..., 0]
-    total_loss += 0.8 ** j * jnp.sum(nll * in_head) / jnp.maximum(in_head.sum(), 1.0)
+    total_loss += 0.8 ** j * token_loss(logits[j], labels, soft_probs, soft_labels, counted)
     total_weight += 0.8 ** j
     correct = (jnp.argmax(logits[j], -1) == labels) * counted
     accuracies.append(correct.sum() / jnp.maximum(counted.sum(), 1.0))
@@ -295,11 +357,11 @@ def train(target, head_ids, layers):
       batch = make_batch(heldout, list(range(start, min(start + _BATCH.value, len(heldout)))),
                          to_head, replies_only=True)
       accuracy, _ = evaluate_batch(trained, frozen, *map(jnp.asarray, batch))
-      correct += float(accuracy) * batch[3].sum()
-      count += batch[3].sum()
+      correct += float(accuracy) * batch[-1].sum()
+      count += batch[-1].sum()
     return correct / max(count, 1.0)
 
-  tokens_per_epoch = sum(len(s) for s, _, _ in seqs)
+  tokens_per_epoch = sum(len(s) for s, _, _, _ in seqs)
   logging.info('training %d steps on %d sequences (%d tokens per epoch); %d held out', steps,
                len(seqs), tokens_per_epoch, len(heldout))
   rng = np.random.RandomState(_SEED.value)
@@ -378,10 +440,14 @@ def _architecture(m: dict) -> str:
 
 
 def _loss(m: dict) -> str:
+  weight = m.get('soft_weight', 0.0)
+  tokens = ('next-token cross-entropy' if not weight else
+            f"{weight:g} × cross-entropy against SmolLM2's own distribution (its top"
+            f" {m['label_top_k']} tokens) + {1 - weight:g} × next-token cross-entropy")
   if m.get('feature_layers'):
     return (f"training-time test: unrolled {m['ttt_steps']} steps on its own features,"
-            " next-token cross-entropy at each (weights 0.8^step)")
-  return (f"loss smooth-L1 on features + {m['cls_weight']} × next-token cross-entropy, input"
+            f" {tokens} at each (weights 0.8^step)")
+  return (f"loss smooth-L1 on features + {m['cls_weight']} × ({tokens}), input"
           f" noise ±{m['feature_noise']}")
 
 
@@ -475,6 +541,7 @@ def main(argv):
         num_layers=_NUM_LAYERS.value, init_layer=_INIT_LAYER.value, head_size=len(head_ids),
         embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
         learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
+        label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value if _TOP_K.value else 0.0,
         hardware=_hardware(), generation_seconds=round(_recorded_seconds(layers)[0], 1),
         feature_seconds=round(_recorded_seconds(layers)[1], 1), **info)
     smollm2_draft.save(path, trained, head_ids, metadata)

@@ -66,7 +66,7 @@ def draft_script_run(tmp_path_factory):
   """scripts/train_smollm2_draft.py, every stage, on the tiny settings with --noevaluate.
 
   A namespace: `work_dir` (the generated data and soft labels), `output_dir` (the draft file,
-  no card yet) and `run(*args)` (the script again, with the tiny settings).
+  no card yet), `run(*args)` (the script again, with the tiny settings) and `tiny_flags`.
   tests/test_train_draft_script.py checks this run; tests/test_train_eagle_script.py trains on
   a copy of the replies it generated (the EAGLE script's input is `--stage=generate`'s output),
   so SmolLM2 generates them once per session.
@@ -80,7 +80,8 @@ def draft_script_run(tmp_path_factory):
     return run_script(script, *DRAFT_SCRIPT_TINY, *args)
 
   run(f'--work_dir={work}', f'--output_dir={out}', '--noevaluate')
-  return types.SimpleNamespace(work_dir=str(work), output_dir=str(out), run=run)
+  return types.SimpleNamespace(work_dir=str(work), output_dir=str(out), run=run,
+                               tiny_flags=DRAFT_SCRIPT_TINY)
 
 
 # pytest-xdist (`-n 2` in pytest.ini): each test module runs whole on one worker, so its

@@ -14,6 +14,7 @@ from speclm import testing
 from speclm.analysis import measure
 from speclm.models import eagle
 from speclm.models import llama
+from speclm.models import lookup
 from speclm.models import t5
 
 PROMPTS = np.array([[5, 9, 2, 7, 0, 0, 0], [3, 3, 8, 1, 4, 6, 2]], np.int32)
@@ -189,6 +190,77 @@ def test_errors(target):
   del trained['fuse']
   with pytest.raises(ValueError, match='missing'):
     eagle.make(target, trained, np.arange(32), 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt lookup first, the feature draft elsewhere (`lookup.lookup_first`)
+
+
+def test_lookup_first_over_a_feature_draft_proposes_the_match_else_the_draft(target):
+  """Where the last 2+ tokens occurred before, q is one-hot on what followed them; elsewhere it
+  is the feature draft's own q, and the draft's predicted features are its own everywhere."""
+  fallback = eagle.random_draft(target, num_layers=1, head_size=24, seed=1,
+                                feature_layers=(0, 1))
+  model = lookup.lookup_first(fallback, min_ngram=2)
+  d, f = model.definition, fallback.definition
+  assert isinstance(d, lookup.LookupFirstWithFeatures)
+  assert d.feature_layers == (0, 1) and d.feature_dim == f.feature_dim == 64
+  prompts = np.array([[3, 4, 5, 3, 4], [7, 8, 9, 10, 11]], np.int32)
+  lengths = np.array([5, 5], np.int32)
+  features = jax.random.normal(jax.random.key(0), (2, 5, 64))
+  cache = d.prefill_with_features(model.params, prompts, lengths, features, d.init_cache(2, 16))
+  plain_cache = f.prefill_with_features(fallback.params, prompts, lengths, features,
+                                        f.init_cache(2, 16))
+  tokens = np.array([[5, 3], [10, 11]], np.int32)
+  more = jax.random.normal(jax.random.key(1), (2, 2, 64))
+  logits, predicted, cache = d.extend_with_features(model.params, tokens, more, cache)
+  plain, plain_predicted, _ = f.extend_with_features(fallback.params, tokens, more, plain_cache)
+  np.testing.assert_array_equal(predicted, plain_predicted)
+  # Row 0 is now "3 4 5 3 4 5 3": after "… 4 5" comes 3 (as after the first "4 5"), after
+  # "… 4 5 3" comes 4. Row 1 is "7 8 9 10 11 10 11": after "… 10 11" comes 10; "11 10" has no
+  # earlier occurrence, so there q is the draft's own.
+  for row, position, token in ((0, 0, 3), (0, 1, 4), (1, 1, 10)):
+    assert int(jnp.argmax(logits[row, position])) == token
+    assert np.isneginf(np.delete(logits[row, position], token)).all()
+  np.testing.assert_allclose(logits[1, 0], plain[1, 0], rtol=1e-6)
+  assert int(d.cache_lengths(cache)[0]) == 7
+  assert d.rollback(cache, jnp.array([5, 6], jnp.int32)).history.lengths.tolist() == [5, 6]
+
+
+@pytest.mark.parametrize('gamma', [1, 3])
+def test_lookup_first_over_a_feature_draft_decodes_exactly(target, gamma):
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1))
+  combined = lookup.lookup_first(draft, min_ngram=1)
+  base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=24)
+  spec = speclm.speculative_decode(target, combined, PROMPTS, LENGTHS, gamma=gamma,
+                                   max_new_tokens=24)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+  alone = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=gamma,
+                                    max_new_tokens=24)
+  assert spec.stats.accepted_per_row.tolist() != alone.stats.accepted_per_row.tolist()
+
+
+def test_lookup_first_over_a_feature_draft_replays_on_teacher_forced_beta(six_token_target):
+  """γ = 1 rounds of the combination replay on β teacher-forced with the target's features
+  (`testing.check_greedy_replay`): the wrapper hands the fallback the features the loop gives
+  it, at every position of its cache."""
+  target, _ = six_token_target
+  draft = lookup.lookup_first(_echo3_draft(target, seed=3), min_ngram=2)
+  replay, _ = testing.check_greedy_replay(target, draft, PROMPTS % 6, LENGTHS, gamma=1,
+                                          max_new_tokens=40)
+  assert min(replay.accepted_histogram) >= 5
+
+
+def test_costs_of_feature_drafts_are_measured(target):
+  """c and the adaptive rule's round costs time a feature draft's calls (it has no plain
+  prefill or extend: timing them raised TypeError, so an adaptive job with one failed)."""
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1))
+  for model in (draft, lookup.lookup_first(draft, min_ngram=2)):
+    costs = measure.measure_costs(target, model, gamma=2, repeats=1, num_steps=2)
+    assert costs.draft_step_seconds > 0 and np.isfinite(costs.c)
+  c, verify = measure.measure_round_costs(target, draft, max_gamma=2, repeats=1,
+                                          num_new_tokens=4)
+  assert c > 0 and len(verify) == 3 and all(np.isfinite(verify))
 
 
 # ----------------------------------------------------------------------------------------------

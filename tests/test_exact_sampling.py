@@ -48,7 +48,10 @@ def drafts(target):
   return {'unrelated': unrelated, 'related': speclm.Model(target.definition, related),
           'lookup_first': lookup.lookup_first(unrelated, min_ngram=1),
           'eagle': eagle.random_draft(target, head_size=4, seed=3),
-          'eagle3': eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0))}
+          'eagle3': eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0)),
+          'lookup_first_eagle3': lookup.lookup_first(
+              eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0)),
+              min_ngram=1)}
 
 
 def _exact(target, sampling, num_tokens=NEW_TOKENS):
@@ -80,6 +83,8 @@ CASES = [
     ('t1_lookup_first', speclm.SamplingConfig(temperature=1.0), 'lookup_first', 3),
     ('t1_eagle', speclm.SamplingConfig(temperature=1.0), 'eagle', 3),
     ('t0.7_top3_eagle3', speclm.SamplingConfig(temperature=0.7, top_k=3), 'eagle3', 3),
+    ('t1_lookup_first_eagle3', speclm.SamplingConfig(temperature=1.0), 'lookup_first_eagle3',
+     3),
 ]
 
 

@@ -4,15 +4,20 @@ features of three target layers, training-time test, file, card."""
 import glob
 import os
 import shutil
+import subprocess
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import speclm
 from speclm.data import builtin_prompts
+from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import providers
+from speclm.run.errors import JobError
 from speclm.testing.scripts import run_script
 
 pytestmark = [
@@ -68,6 +73,25 @@ def test_features_are_the_targets_hidden_states_of_three_layers(run, target):
   np.testing.assert_allclose(stored, np.asarray(expected)[0], rtol=1e-2, atol=1e-2)
 
 
+def test_soft_labels_are_the_targets_distribution(run, target):
+  """The features stage also writes SmolLM2's top-16 next-token probabilities at every
+  position (label_*.npz, train_smollm2_draft.py's format), from the same forward pass."""
+  work, _, log = run
+  shard = sorted(glob.glob(os.path.join(work, 'gen_greedy_*.npz')))[0]
+  with np.load(shard) as gen, np.load(shard.replace('gen_', 'label_')) as labels:
+    tokens, lengths, prompt_lengths = gen['tokens'], gen['lengths'], gen['prompt_lengths']
+    probs, ids = labels['probs'], labels['ids']
+  assert probs.dtype == np.float16 and ids.shape == tokens.shape + (16,)
+  n, p = int(lengths[0]), int(prompt_lengths[0])
+  expected = jax.nn.softmax(target.definition.forward(target.params, jnp.asarray(tokens[:1, :n])))
+  top_probs, top_ids = jax.lax.top_k(expected[0], 16)
+  np.testing.assert_array_equal(ids[0, :n, 0], top_ids[:, 0])
+  np.testing.assert_allclose(probs[0, :n].astype(np.float32), top_probs, atol=2e-3)
+  # A greedy reply is the target's argmax: its next token is the top soft label.
+  np.testing.assert_array_equal(ids[0, p - 1:n - 1, 0], tokens[0, p:n])
+  assert 'features and soft labels of' in log
+
+
 def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
   _, out, log = run
   path = os.path.join(out, smollm2_draft.EAGLE_FILE)
@@ -94,3 +118,57 @@ def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
   base = speclm.autoregressive_decode(target, tokens, lengths, max_new_tokens=8)
   spec = speclm.speculative_decode(target, draft, tokens, lengths, gamma=3, max_new_tokens=8)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
+  # In a job: prompt lookup first, this draft elsewhere.
+  combined = providers.smollm2_eagle_draft_model(path, cpu_kernels=False, lookup_min_ngram=2)
+  assert isinstance(combined.definition, lookup.LookupFirstWithFeatures)
+  spec = speclm.speculative_decode(target, combined, tokens, lengths, gamma=3, max_new_tokens=8)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
+
+
+def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
+  """scripts/compare_drafts.py on tiny settings with this run's draft, alone and behind lookup
+  first (the shipped drafts' rows are left out here: each costs compilations): a row per
+  draft, each with α, tokens per call and speedup at T = 0 and 1, c, and greedy exactness."""
+  _, out, _ = run
+  report = tmp_path / 'drafts.md'
+  run_script(os.path.join(ROOT, 'scripts', 'compare_drafts.py'), '--rounds=1',
+             '--max_new_tokens=4', '--gamma=2', '--cost_repeats=1', '--nobuiltin_drafts',
+             f'--eagle_path={os.path.join(out, smollm2_draft.EAGLE_FILE)}', f'--output={report}')
+  rows = {line.split(' | ')[0].lstrip('| '): line.split(' | ')
+          for line in report.read_text().splitlines() if line.startswith('| ')}
+  assert 'trained 2-layer' not in rows
+  for name in ('EAGLE-style', 'lookup first (EAGLE-style)'):
+    cells = rows[name]
+    assert len(cells) == 9 and cells[3].endswith('×') and cells[6].endswith('×')
+    assert 0.0 <= float(cells[1]) <= 1.0 and float(cells[7]) >= 0.0
+    assert cells[8].rstrip(' |') == 'yes'  # greedy speculative = baseline
+
+
+def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
+  """scripts/train_smollm2_eagle_gpu.sh (the run for a GPU lease) on this run's data, with the
+  tiny settings given through GEN_FLAGS and TRAIN_FLAGS: every stage finds its output already
+  made (resumable) except training, which writes the draft file to OUT_DIR."""
+  work, _, _ = run
+  copy = tmp_path / 'work'
+  shutil.copytree(work, copy)
+  shutil.copy(os.path.join(draft_script_run.work_dir, 'self_prompts.json'), copy)
+  out = tmp_path / 'out'
+  generation = [f for f in draft_script_run.tiny_flags if not f.startswith(('--label', '--batch_size',
+                                                                  '--epochs', '--width'))]
+  env = dict(os.environ, WORK_DIR=str(copy), OUT_DIR=str(out),
+             GEN_FLAGS=' '.join(generation + ['--grounded_prompts=0']),
+             TRAIN_FLAGS=' '.join(EAGLE[1:]))
+  done = subprocess.run(['bash', os.path.join(ROOT, 'scripts', 'train_smollm2_eagle_gpu.sh')],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'generated' not in done.stderr and 'features and soft labels of' not in done.stderr
+  _, _, metadata = smollm2_draft.read(str(out / smollm2_draft.EAGLE_FILE))
+  assert metadata['feature_layers'] == list(LAYERS) and 'heldout' not in metadata  # α: on CPU
+
+
+def test_no_shipped_eagle_draft_is_a_job_error(monkeypatch, tmp_path):
+  monkeypatch.setattr(smollm2_draft, 'EAGLE_DIR', str(tmp_path))
+  with pytest.raises(JobError, match='No EAGLE-style draft ships'):
+    providers.smollm2_eagle_draft_model()
+  with pytest.raises(JobError, match='does not exist'):
+    providers.smollm2_eagle_draft_model(str(tmp_path / 'missing.safetensors'))

@@ -449,6 +449,27 @@ class CostEstimate:
     return {**dataclasses.asdict(self), 'c': self.c, 'r': self.r}
 
 
+def _token_calls(definition):
+  """(prefill, extend) of `definition` taking tokens only, as the timed calls need them. A
+  `protocol.FeatureConditionedDraft` is given zero features of its input width (those a
+  round's first proposal reads, the target's; their values do not change the cost)."""
+  if not isinstance(definition, protocol.FeatureConditionedDraft):
+    return definition.prefill, definition.extend
+
+  def zeros(tokens):
+    return jnp.zeros(tokens.shape + (definition.feature_dim,), jnp.float32)
+
+  def prefill(params, inputs, input_lengths, cache):
+    cache = definition.prefill_with_features(params, inputs, input_lengths, zeros(inputs), cache)
+    return None, cache
+
+  def extend(params, tokens, cache):
+    logits, _, cache = definition.extend_with_features(params, tokens, zeros(tokens), cache)
+    return logits, cache
+
+  return prefill, extend
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _repeated_extend(definition, params, tokens, cache, num_steps, tree_parents=None):
   """Runs `extend` num_steps times from the same cache length (the decode loops' inner call),
@@ -461,10 +482,12 @@ def _repeated_extend(definition, params, tokens, cache, num_steps, tree_parents=
   if tree_parents is not None:
     layout = token_trees.layout(np.tile(np.asarray(tree_parents), (tokens.shape[0], 1)))
 
+  _, extend = _token_calls(definition)
+
   def body(_, carry):
     cache, tokens, checksum = carry
     if layout is None:
-      logits, cache = definition.extend(params, tokens, cache)
+      logits, cache = extend(params, tokens, cache)
     else:
       logits, cache = definition.extend_tree(params, tokens, layout, cache)
     cache = definition.rollback(cache, start_lengths)  # what a rejected round does
@@ -494,8 +517,8 @@ def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
   prompts, lengths = random_prompts(model.vocab_size, batch_size, context_length, seed)
   prefix = int(definition.prefix_length(context_length))
   cache = definition.init_cache(batch_size, prefix + num_new)
-  _, cache = jax.jit(definition.prefill)(model.params, jnp.asarray(prompts),
-                                          jnp.asarray(lengths), cache)
+  _, cache = jax.jit(_token_calls(definition)[0])(model.params, jnp.asarray(prompts),
+                                                  jnp.asarray(lengths), cache)
   tokens = jnp.asarray(np.resize(prompts[:, ::-1], (batch_size, num_new)))
   run = lambda steps: _repeated_extend(definition, model.params, tokens, cache,
                                        jnp.int32(steps), tree_parents)

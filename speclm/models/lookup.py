@@ -275,13 +275,50 @@ class LookupFirst(protocol.LanguageModel):
     self.fallback.validate_params(params)
 
 
+@dataclasses.dataclass(frozen=True)
+class LookupFirstWithFeatures(LookupFirst, protocol.FeatureConditionedDraft):
+  """`LookupFirst` over a draft that reads the target's features (EAGLE-style).
+
+  The fallback sees every token and feature as it would alone (its predicted features flow on
+  to its next proposal whether or not the lookup's proposal was taken); the lookup overrides
+  q where it matches, exactly as in `LookupFirst`.
+  """
+
+  fallback: protocol.FeatureConditionedDraft
+
+  @property
+  def feature_dim(self) -> int:  # type: ignore[override]
+    return self.fallback.feature_dim
+
+  @property
+  def feature_layers(self):  # type: ignore[override]
+    return self.fallback.feature_layers
+
+  def prefill_with_features(self, params, inputs, input_lengths, features, cache):
+    fallback_cache = self.fallback.prefill_with_features(params, inputs, input_lengths,
+                                                         features, cache.fallback)
+    history, _ = _history_after_prefill(cache.history, inputs, input_lengths)
+    return LookupFirstCache(fallback_cache, history)
+
+  def extend_with_features(self, params, tokens, features, cache):
+    logits, predicted, fallback_cache = self.fallback.extend_with_features(
+        params, tokens, features, cache.fallback)
+    history, positions = _history_after_extend(cache.history, tokens)
+    return (self._combine(logits, history, positions), predicted,
+            LookupFirstCache(fallback_cache, history))
+
+
 def lookup_first(fallback: protocol.Model, *, min_ngram: int = 2,
                  max_ngram: int | None = None) -> protocol.Model:
   """`fallback` with prompt lookup taking over where an n-gram of `min_ngram`+ tokens matches.
 
-  `max_ngram` (longer matches win) defaults to max(3, min_ngram).
+  `max_ngram` (longer matches win) defaults to max(3, min_ngram). A fallback that reads the
+  target's features (`protocol.FeatureConditionedDraft`, e.g. `speclm.models.eagle`) gives a
+  `LookupFirstWithFeatures`.
   """
   if max_ngram is None:
     max_ngram = max(3, min_ngram)
   lookup = PromptLookup(fallback.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
-  return protocol.Model(LookupFirst(fallback.definition, lookup), fallback.params)
+  kind = (LookupFirstWithFeatures
+          if isinstance(fallback.definition, protocol.FeatureConditionedDraft) else LookupFirst)
+  return protocol.Model(kind(fallback.definition, lookup), fallback.params)

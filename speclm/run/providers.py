@@ -5,6 +5,7 @@ A *provider* is a zero-argument callable that gin passes uncalled (`TARGET = @ta
 job loads things in a fixed order and turns a user's mistake into one clear line (`provide`).
 
   models        random_llama, t5_checkpoint_model, smollm2_model, smollm2_draft_model,
+                smollm2_eagle_draft_model,
                 ngram_draft, prompt_lookup_draft, checkpoint_llm (any decoder-only checkpoint:
                 HF directory or GGUF file), checkpoint_model (path + any loader)
   vocabularies  ByteVocabulary, SentencePieceVocabulary, FunctionVocabulary, smollm2_tokenizer,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -333,6 +335,34 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
   draft = smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
+  if lookup_min_ngram:
+    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
+  return draft
+
+
+@gin.configurable
+def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
+                              lookup_min_ngram: int = 0) -> protocol.Model:
+  """An EAGLE-style draft for SmolLM2-135M that reads the target's features
+  (`speclm.presets.smollm2_draft.load_eagle`): a file `scripts/train_smollm2_eagle.py` wrote,
+  or (path None) the one shipped in speclm/assets/smollm2_eagle/ once one ships.
+
+  `cpu_kernels` and `lookup_min_ngram` as for `smollm2_draft_model` (prompt lookup first,
+  the feature draft elsewhere: `speclm.models.lookup.LookupFirstWithFeatures`).
+  """
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
+  if path is None:
+    path = os.path.join(smollm2_draft.EAGLE_DIR, smollm2_draft.EAGLE_FILE)
+    if not os.path.exists(path):
+      raise JobError('No EAGLE-style draft ships with speclm yet: train one with'
+                     ' scripts/train_smollm2_eagle.py and set smollm2_eagle_draft_model.path'
+                     ' to its file (or use @smollm2_draft_model).')
+  errors.check_path(path, 'SmolLM2 EAGLE draft')
+  if lookup_min_ngram < 0:
+    raise JobError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
+  draft = smollm2_draft.load_eagle(smollm2.load_model(), path, cpu_kernels)
   if lookup_min_ngram:
     draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
   return draft
