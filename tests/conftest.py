@@ -13,6 +13,7 @@ used instead (and kept).
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -82,6 +83,23 @@ def draft_script_run(tmp_path_factory):
   run(f'--work_dir={work}', f'--output_dir={out}', '--noevaluate')
   return types.SimpleNamespace(work_dir=str(work), output_dir=str(out), run=run,
                                tiny_flags=DRAFT_SCRIPT_TINY)
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs():
+  """Drops every compiled program when a test module ends (the persistent cache keeps them).
+
+  Each XLA:CPU executable keeps a few memory mappings for its machine code, and JAX's jit
+  caches keep every executable a process compiled. A worker that runs a dozen modules in turn
+  reached 64,000 mappings, just under Linux's default limit of 65,530 (vm.max_map_count);
+  past it mmap fails and the worker dies with a segmentation fault in whatever allocates next
+  (seen twice in CI, in `executable.serialize()` while test_t5 compiled). Clearing the caches
+  between modules keeps a worker's count to what one module needs.
+  """
+  yield
+  import jax  # pylint: disable=import-outside-toplevel  (after the environment above is set)
+  jax.clear_caches()
+  gc.collect()
 
 
 # pytest-xdist (`-n 2` in pytest.ini): each test module runs whole on one worker, so its
