@@ -90,8 +90,8 @@ def _release_compiled_programs():
   """Drops every compiled program when a test module ends (the persistent cache keeps them).
 
   Each XLA:CPU executable keeps a few memory mappings for its machine code, and JAX's jit
-  caches keep every executable a process compiled. A worker that runs a dozen modules in turn
-  reached 64,000 mappings, just under Linux's default limit of 65,530 (vm.max_map_count);
+  caches keep every executable a process compiled. A worker that ran some twenty modules in turn
+  reached 64,098 mappings, just under Linux's default limit of 65,530 (vm.max_map_count);
   past it mmap fails and the worker dies with a segmentation fault in whatever allocates next
   (seen twice in CI, in `executable.serialize()` while test_t5 compiled). Clearing the caches
   between modules keeps a worker's count to what one module needs.

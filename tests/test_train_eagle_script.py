@@ -166,6 +166,19 @@ def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
   assert metadata['feature_layers'] == list(LAYERS) and 'heldout' not in metadata  # α: on CPU
 
 
+def test_negative_lookup_min_ngram_is_a_job_error_before_loading(monkeypatch):
+  """Both SmolLM2 draft providers check `lookup_min_ngram` before they load any model."""
+  def no_loading(*args, **kwargs):
+    raise AssertionError('loaded a model before checking lookup_min_ngram')
+  monkeypatch.setattr(smollm2, 'load_model', no_loading)
+  with pytest.raises(JobError, match='lookup_min_ngram must be >= 0'):
+    providers.smollm2_draft_model(lookup_min_ngram=-1)
+  monkeypatch.setattr(providers.os.path, 'exists', lambda path: True)
+  monkeypatch.setattr(providers.errors, 'check_path', lambda path, what: None)
+  with pytest.raises(JobError, match='lookup_min_ngram must be >= 0'):
+    providers.smollm2_eagle_draft_model(lookup_min_ngram=-1)
+
+
 def test_no_shipped_eagle_draft_is_a_job_error(monkeypatch, tmp_path):
   monkeypatch.setattr(smollm2_draft, 'EAGLE_DIR', str(tmp_path))
   with pytest.raises(JobError, match='No EAGLE-style draft ships'):

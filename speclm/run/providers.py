@@ -329,15 +329,25 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
   """
   if path is not None:
     errors.check_path(path, 'SmolLM2 draft')
-  if lookup_min_ngram < 0:
-    raise ValueError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
-  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
-  draft = smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels)
-  if lookup_min_ngram:
-    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
-  return draft
+  return _behind_lookup_first(
+      lambda: smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels),
+      lookup_min_ngram)
+
+
+def _behind_lookup_first(load_draft: Callable[[], protocol.Model],
+                         lookup_min_ngram: int) -> protocol.Model:
+  """`load_draft()`, behind prompt lookup where the last `lookup_min_ngram`+ tokens occurred
+  before (`speclm.models.lookup.lookup_first`; 0: the draft alone). The setting is checked
+  before the draft is loaded."""
+  if lookup_min_ngram < 0:
+    raise JobError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
+  draft = load_draft()
+  if not lookup_min_ngram:
+    return draft
+  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
+  return lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
 
 
 @gin.configurable
@@ -350,7 +360,6 @@ def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
   `cpu_kernels` and `lookup_min_ngram` as for `smollm2_draft_model` (prompt lookup first,
   the feature draft elsewhere: `speclm.models.lookup.LookupFirstWithFeatures`).
   """
-  from speclm.models import lookup  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
   if path is None:
@@ -360,12 +369,9 @@ def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
                      ' scripts/train_smollm2_eagle.py and set smollm2_eagle_draft_model.path'
                      ' to its file (or use @smollm2_draft_model).')
   errors.check_path(path, 'SmolLM2 EAGLE draft')
-  if lookup_min_ngram < 0:
-    raise JobError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
-  draft = smollm2_draft.load_eagle(smollm2.load_model(), path, cpu_kernels)
-  if lookup_min_ngram:
-    draft = lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
-  return draft
+  return _behind_lookup_first(
+      lambda: smollm2_draft.load_eagle(smollm2.load_model(), path, cpu_kernels),
+      lookup_min_ngram)
 
 
 @gin.configurable
