@@ -33,7 +33,8 @@ The package's modules:
   gin_cli      gin parsing shared with `python -m speclm.analysis`: --gin.NAME=VALUE, search path,
                errors that say what to change, checkpoint paths checked first
   providers    everything gin can name: model, vocabulary and dataset providers, settings
-  job          run_job, run_sweep, load_job: batches, decoding, resume, merging processes
+  job          run_job, run_sweep: batches, decoding, resume, merging processes
+  loading      load_job: a job's models and encoded prompts, for other tools
   fingerprint  what determines a job's outputs (job.json), so a resume never mixes two jobs
   errors       JobError and its kinds
 The report (metrics.json, the summary table) is `speclm.analysis.job_metrics`.
@@ -50,7 +51,7 @@ from speclm.run.gin_cli import rewrite_gin_args
 from speclm.run.gin_cli import search_paths
 from speclm.run.gin_cli import unset_required
 from speclm.run.job import MODES
-from speclm.run.job import load_job
+from speclm.run.loading import load_job
 from speclm.run.job import run_job
 from speclm.run.job import run_sweep
 from speclm.run.providers import gamma_for_temperature
