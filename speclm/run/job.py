@@ -1,15 +1,23 @@
 """The decoding job: `run_job` decodes a dataset into an output directory, `run_sweep` runs it
-at several temperatures, `load_job` hands a job's models and prompts to other tools.
+at several temperatures.
 
-The job's steps: lock and check the output directory against the job's fingerprint
-(`speclm.run.fingerprint`), load the vocabulary, dataset and models (`speclm.run.providers`),
-accept the directory, decode batch by batch (each batch appended durably), then write the report
-(`speclm.analysis.job_metrics`). Several processes each decode their share and process 0 merges.
+`run_job` is gin's surface; the job itself is a sequence of phases, each a function below:
+
+  1. settings     every argument validated (`speclm.run.settings`), before anything is touched
+  2. output dir   locked, checked against the job's fingerprint (`speclm.run.fingerprint`)
+  3. inputs       the vocabulary and this process's share of the dataset
+  4. models       the target and draft (`speclm.run.providers`), sharded when a mesh is set
+  5. calibration  adaptive γ's costs (`speclm.analysis.measure`, cached per machine)
+  6. accept       the full fingerprint recorded; only now does the directory change
+  7. tree policy  the chain or a tree, timed on the first pending batch (`@tree_policy()`)
+  8. decode       batch by batch (`speclm.run.records`), each batch appended durably
+  9. report       metrics.json over every recorded example (`speclm.analysis.job_metrics`)
+Several processes each decode their share and process 0 merges (`speclm.run.merge`).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import os
 import sys
@@ -27,104 +35,67 @@ from speclm import partitioning
 from speclm import progress as progress_lib
 from speclm import protocol
 from speclm import sampling as sampling_lib
-from speclm import token_trees
-from speclm import tree_decoding
 from speclm.analysis import job_metrics
 from speclm.analysis import measure
 from speclm.analysis import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import vocab as vocab_lib
 from speclm.run import fingerprint as fingerprint_lib
+from speclm.run import gin_cli
+from speclm.run import merge as merge_lib
 from speclm.run import providers
+from speclm.run import records as records_lib
+from speclm.run import settings as settings_lib
 from speclm.run.errors import BadLogitsError
 from speclm.run.errors import Interrupted
 from speclm.run.errors import JobError
-from speclm.run import gin_cli
 from speclm.run.gin_cli import warn
 
-MODES = tuple(job_metrics.METHODS)
+MODES = settings_lib.MODES
+ON_BAD_LOGITS = settings_lib.ON_BAD_LOGITS
+ADAPTIVE = settings_lib.ADAPTIVE
 
 
-def _decode(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sampling,
-            max_new_tokens, seed, eos_id, pad_id, partitioner=None, tree=None,
-            speculate=True) -> decoding.DecodeResult:
-  """One batch by `method`; `speculate=False` (a tree policy chose the baseline) decodes the
-  'speculative' method without a draft."""
-  common = dict(sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, eos_id=eos_id,
-                pad_id=pad_id, partitioner=partitioner)
-  if method == 'speculative' and not speculate:
-    result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
-  elif method == 'speculative' and tree is not None:
-    del common['partitioner']  # refused before decoding (run_job)
-    result = tree_decoding.tree_speculative_decode(target, draft, batch.tokens, batch.lengths,
-                                                   tree=tree, **common)
-  elif method == 'speculative':
-    result = decoding.speculative_decode(target, draft, batch.tokens, batch.lengths,
-                                         gamma=gamma, **common)
-  else:
-    result = decoding.autoregressive_decode(target, batch.tokens, batch.lengths, **common)
-  return jax.device_get(jax.block_until_ready(result))
+@dataclasses.dataclass(frozen=True)
+class _Process:
+  """This process's place in a multi-process job (one process: index 0 of 1)."""
+
+  index: int
+  count: int
+
+  def job_dir(self, output_dir: str) -> str:
+    """Where this process writes: `output_dir`, or its `process_<p>/` with several."""
+    return output_dir if self.count == 1 else os.path.join(output_dir,
+                                                           merge_lib.process_dir(self.index))
 
 
-def _decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
-                  vocabulary: vocab_lib.Vocabulary, warmed: set, *, exclude_compile_time: bool,
-                  **decode_kwargs) -> tuple[list[dict[str, Any]], float]:
-  """Decodes one batch with each method (same seed); returns its records and compile time."""
-  results, times, compile_s = {}, {}, 0.0
-  for method in methods:
-    decode = functools.partial(_decode, method, target, draft, batch,
-                               eos_id=list(vocabulary.end_ids) or None, pad_id=vocabulary.pad_id,
-                               **decode_kwargs)
-    key = (method, batch.tokens.shape)
-    if exclude_compile_time and key not in warmed:  # compile (and warm up) untimed
-      start = time.perf_counter()
-      decode()
-      compile_s += time.perf_counter() - start
-      warmed.add(key)
-    start = time.perf_counter()
-    results[method] = decode()
-    times[method] = time.perf_counter() - start
-  token_lists = {m: results[m].to_lists() for m in methods}
-  records = []
-  for row, item in enumerate(batch.examples):  # padding rows (past num_real) are dropped
-    record = _base_record(item)
-    record['batch'] = batch.examples[0].example.index  # rows decoded together share it
-    record['batch_rows'] = batch.num_real  # a resume redoes a batch recorded only in part
-    for method in methods:
-      record[method] = _row_record(method, results[method], row, token_lists[method][row],
-                                   vocabulary, times[method] / batch.num_real)
-    if 'baseline' in methods and 'speculative' in methods:
-      record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
-    record['output'] = record[methods[-1]]['output']
-    records.append(record)
-  return records, compile_s
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  """The job's vocabulary and this process's examples, before and after encoding."""
+
+  vocabulary: vocab_lib.Vocabulary
+  examples: list[inputs_lib.Example]
+  encoded: list[inputs_lib.EncodedExample] | None = None
+  input_limit: int | None = None
 
 
-def _row_record(method: str, result: decoding.DecodeResult, row: int, tokens: list[int],
-                vocabulary: vocab_lib.Vocabulary, time_s: float) -> dict[str, Any]:
-  stats = result.stats
-  record = {
-      'output': vocabulary.decode(tokens),
-      'tokens': tokens,
-      'num_tokens': len(tokens),
-      'stop_reason': decoding.StopReason(int(result.stop_reasons[row])).name,
-      'target_calls': int(stats.target_calls_per_row[row]),
-      'time_s': time_s,
-  }
-  if method == 'speculative':
-    record.update(accepted=int(stats.accepted_per_row[row]),
-                  beta_sum=float(stats.beta_sum_per_row[row]),
-                  beta_count=int(stats.beta_count_per_row[row]),
-                  # Rounds of the row's batch by tokens drafted (the batch shares one γ).
-                  gamma_histogram=np.asarray(stats.gamma_histogram).tolist())
-    if stats.rank_offered is not None:  # a token tree: the batch's per-rank counts
-      record.update(rank_offered=np.asarray(stats.rank_offered).tolist(),
-                    rank_accepted=np.asarray(stats.rank_accepted).tolist())
-  return record
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+  """The loaded models (the draft None when no method speculates)."""
+
+  target: protocol.Model
+  draft: protocol.Model | None
 
 
-ON_BAD_LOGITS = ('fail', 'warn')
-ADAPTIVE = 'adaptive'  # run_job.gamma for `speclm.adaptive.AdaptiveGamma`
+@dataclasses.dataclass(frozen=True)
+class _Decoding:
+  """How the speculative method decodes, as chosen before the first batch."""
+
+  gamma: Any  # γ, or the adaptive rule
+  rule: adaptive.AdaptiveGamma | None = None
+  tree: Any = None
+  policy_record: dict[str, Any] | None = None
+  speculate: bool = True
 
 
 @gin.configurable(denylist=['progress_stream'])
@@ -211,260 +182,318 @@ def run_job(*,
   process 0 merges every part into `output_dir/predictions.jsonl` and writes the report.
   """
   job_start = time.perf_counter()
-  if mode not in MODES:
-    raise JobError(f"run_job.mode must be one of {MODES}, got {mode!r}.")
-  if on_bad_logits not in ON_BAD_LOGITS:
-    raise JobError(f'run_job.on_bad_logits must be one of {ON_BAD_LOGITS}, got'
-                   f' {on_bad_logits!r}.')
-  if on_too_long not in inputs_lib.ON_TOO_LONG:
-    raise JobError(f'run_job.on_too_long must be one of {inputs_lib.ON_TOO_LONG}, got'
-                   f' {on_too_long!r}.')
-  methods = job_metrics.METHODS[mode]
-  if mode != 'baseline' and draft is None:
-    raise JobError(f"Mode {mode!r} needs a draft model: set run_job.draft (e.g. DRAFT ="
-                   " @draft/random_llama), or use mode 'baseline'.")
-  adaptive_gamma = gamma == ADAPTIVE
-  try:
-    gamma = (ADAPTIVE if adaptive_gamma else decoding.check_gamma(gamma))
-    if adaptive_gamma:
-      decoding.check_gamma(max_gamma)
-  except ValueError as e:
-    raise JobError(f"run_job.{'max_gamma' if adaptive_gamma else 'gamma'}: {e} (gamma may"
-                   f" also be '{ADAPTIVE}').") from None
-  if adaptive_gamma and (isinstance(prior_alpha, bool) or not isinstance(prior_alpha, (int, float))
-                         or not 0.0 <= prior_alpha <= 1.0):
-    raise JobError(f'run_job.prior_alpha must be a number in [0, 1], got {prior_alpha!r}.')
-  policy = None  # a TreePolicy: the tree is chosen at start-up (step 4)
-  if tree is not None:
-    tree = providers.provide(tree, 'The token tree setting')
-    if isinstance(tree, tree_policy_lib.TreePolicy):
-      policy, tree = tree, None
-    else:
-      try:
-        token_trees.check_tree(tree)
-      except ValueError as e:
-        raise JobError(f'run_job.tree: {e} (or a @tree_policy()).') from None
-    if adaptive_gamma:
-      raise JobError("run_job.tree and gamma = 'adaptive' exclude each other: a tree round"
-                     ' has its own shape (and a tree policy times the chain at a fixed γ). Set'
-                     ' GAMMA to an integer (--gin.GAMMA=3; demo.gin sets adaptive) or unset'
-                     ' run_job.tree.')
-    if partitioner is not None:
-      raise JobError('run_job.tree runs on one device; unset run_job.partitioner.')
-  sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
-  buckets = tuple(sorted(length_buckets)) if length_buckets else inputs_lib.default_buckets(
-      max_input_length)
-  if buckets[-1] < max_input_length:
-    raise JobError(f'The largest length bucket ({buckets[-1]}) is below max_input_length'
-                   f' ({max_input_length}); add a bucket of at least that width.')
-
-  process_index, process_count = jax.process_index(), jax.process_count()
-  if policy is not None and 'speculative' not in methods:
-    policy = None  # nothing to choose for the baseline alone
-  if policy is not None and process_count > 1:
+  settings = settings_lib.validate(
+      mode=mode, draft=draft, output_dir=output_dir, gamma=gamma, max_gamma=max_gamma,
+      draft_stopping=draft_stopping, prior_alpha=prior_alpha, tree=tree, sampling=sampling,
+      max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+      max_input_length=max_input_length, length_buckets=length_buckets, on_too_long=on_too_long,
+      add_eos_to_inputs=add_eos_to_inputs, max_examples=max_examples,
+      exclude_compile_time=exclude_compile_time, measure_cost=measure_cost,
+      reference_metrics=reference_metrics, show_progress=show_progress,
+      partitioner=partitioner, overwrite=overwrite, on_bad_logits=on_bad_logits)
+  process = _Process(jax.process_index(), jax.process_count())
+  if settings.policy is not None and process.count > 1:
     raise JobError('run_job.tree = @tree_policy() calibrates on one process\'s first batch, so'
                    ' processes could choose different trees; set a fixed tree (@token_tree(),'
                    ' @dynamic_tree()) for several processes.')
-  job_dir = output_dir if process_count == 1 else os.path.join(output_dir,
-                                                                _process_dir(process_index))
-  spec_gamma = gamma if tree is None else tree.describe()
-  settings = {'mode': mode, 'gamma': spec_gamma if 'speculative' in methods else None,
-              **({'tree': repr(tree)} if tree is not None and 'speculative' in methods else {}),
-              **({'tree_policy': repr(policy)} if policy is not None else {}),
-              **({'max_gamma': max_gamma, 'draft_stopping': bool(draft_stopping)}
-                 if adaptive_gamma and 'speculative' in methods else {}),
-              'temperature': sampling.temperature, 'top_k': sampling.top_k,
-              'top_p': sampling.top_p, 'max_new_tokens': max_new_tokens, 'seed': seed,
-              'batch_size': batch_size, 'max_input_length': max_input_length,
-              'length_buckets': list(buckets), 'on_too_long': on_too_long,
-              'add_eos_to_inputs': add_eos_to_inputs, 'max_examples': max_examples}
+  stream = progress_stream or sys.stderr
+  out = _open_output_dir(process.job_dir(output_dir), settings.overwrite)
+  recorded_this_run = [0]  # examples appended by this run, for an interrupt's message
+  try:
+    inputs = _read_inputs(settings, vocabulary, dataset, process)
+    fingerprint = _check_output_dir(out, settings, inputs.examples)
+    pair = _load_pair(settings, target, draft, partitioner, process, inputs.vocabulary)
+    inputs = _encode_inputs(settings, inputs, pair)
+    rule = _calibrate_gamma(settings, pair, inputs, stream)
+    done = _accept_output_dir(out, fingerprint, pair)
+    _report_truncation(inputs, done, settings.max_input_length, progress_stream)
+    batches, num_done = _plan_batches(settings, out, inputs, done, output_dir, stream)
+    choice = _choose_decoding(settings, out, batches, pair, inputs.vocabulary, rule, stream)
+    compile_s = _decode_batches(settings, out, batches, pair, inputs, choice, num_done,
+                                recorded_this_run, partitioner, progress_stream)
+    metrics = _report(settings, out, pair, inputs, choice, partitioner, process,
+                      job_start=job_start, compile_s=compile_s,
+                      decoded_this_run=recorded_this_run[0], resumed_from=len(done))
+  except KeyboardInterrupt:
+    raise Interrupted(f'interrupted after {recorded_this_run[0]} examples; rerun the same'
+                      ' command to resume.') from None
+  finally:
+    out.close()
+  if process.count > 1:
+    metrics = merge_lib.merge_processes(
+        output_dir, process.index, process.count, metrics, mode=settings.mode,
+        gamma=settings.describe_gamma(choice.tree), sampling=settings.sampling, tree=choice.tree,
+        reference_metrics=settings.reference_metrics)
+  print(job_metrics.summary(metrics))
+  _check_bad_logits(metrics, settings.on_bad_logits, output_dir)
+  return metrics
 
-  # 1. The output directory: locked, then checked against what the job is about to do. Nothing
-  #    in it is written until the job has accepted it (step 3).
+
+# ----------------------------------------------------------------------------------------------
+# The phases, in the order `run_job` calls them.
+
+
+def _open_output_dir(job_dir: str, overwrite: bool) -> outputs_lib.OutputDir:
+  """Phase 2a: the output directory, locked. Nothing in it is written until the job has
+  accepted it (`_accept_output_dir`), except what `overwrite` discards."""
   try:
     out = outputs_lib.OutputDir(job_dir)
   except outputs_lib.OutputError as e:
     raise JobError(str(e)) from None
-  recorded_this_run = 0
-  try:
-    if overwrite:
+  if overwrite:
+    try:
       deleted = out.discard()
-      if deleted:
-        warn(f'run_job.overwrite: discarded {", ".join(deleted)} in {job_dir}.')
-    gin_cli.check_model_paths()  # a missing checkpoint is reported before the vocabulary loads
-    vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
-    examples = list(providers.provide(dataset, 'Reading the dataset'))
-    if max_examples is not None:
-      examples = examples[:max_examples]
-    if process_count > 1:  # this process's share; process 0 merges the parts
-      examples = examples[process_index::process_count]
-    if not examples:
-      raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
-                     ' format and filters (file_dataset.path, seqio_dataset.split,'
-                     ' run_job.max_examples).')
-    fingerprint = fingerprint_lib.job_fingerprint(settings, inputs_lib.fingerprint(examples),
-                                                  len(examples))
+    except BaseException:
+      out.close()
+      raise
+    if deleted:
+      warn(f'run_job.overwrite: discarded {", ".join(deleted)} in {job_dir}.')
+  return out
+
+
+def _read_inputs(settings: settings_lib.JobSettings, vocabulary, dataset,
+                 process: _Process) -> _Inputs:
+  """Phase 3: the vocabulary and this process's share of the examples (process p takes the
+  examples at positions p, p + P, …)."""
+  gin_cli.check_model_paths()  # a missing checkpoint is reported before the vocabulary loads
+  vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
+  examples = list(providers.provide(dataset, 'Reading the dataset'))
+  if settings.max_examples is not None:
+    examples = examples[:settings.max_examples]
+  if process.count > 1:  # this process's share; process 0 merges the parts
+    examples = examples[process.index::process.count]
+  if not examples:
+    raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
+                   ' format and filters (file_dataset.path, seqio_dataset.split,'
+                   ' run_job.max_examples).')
+  return _Inputs(vocabulary=vocabulary, examples=examples)
+
+
+def _check_output_dir(out: outputs_lib.OutputDir, settings: settings_lib.JobSettings,
+                      examples) -> dict[str, Any]:
+  """Phase 2b: the fingerprint known before the models load, checked against the directory's
+  (a directory of another job is refused before the slow model loading)."""
+  fingerprint = fingerprint_lib.job_fingerprint(settings.fingerprint_entries(),
+                                                inputs_lib.fingerprint(examples), len(examples))
+  try:
+    out.check(fingerprint, partial=True)
+  except outputs_lib.OutputError as e:
+    raise JobError(str(e)) from None
+  return fingerprint
+
+
+def _load_pair(settings: settings_lib.JobSettings, target, draft, partitioner,
+               process: _Process, vocabulary: vocab_lib.Vocabulary) -> _Pair:
+  """Phase 4: the target and (when a method speculates) the draft, placed in their shards
+  when a partitioner is set, and checked against the vocabulary and each other."""
+  if partitioner is not None:
+    partitioner = providers.provide(partitioner, 'Building the device mesh',
+                                    partitioning.Partitioner)
+    if process.count > 1 and not partitioner.is_local:
+      raise JobError(
+          'partitioning.Partitioner.devices is global, but each process decodes its own'
+          ' share of the dataset; a mesh over several processes needs the same batches on'
+          " every process. Use devices = 'local' (one model replica per host).")
+  target_model = providers.provide(target, 'Loading the target model', protocol.Model,
+                                   partitioner=partitioner, role='target')
+  draft_model = (providers.provide(draft, 'Loading the draft model', protocol.Model,
+                                   partitioner=partitioner, role='draft')
+                 if settings.speculates else None)
+  if partitioner is not None:
+    target_model = _ensure_sharded(partitioner, target_model, 'target')
+    draft_model = (None if draft_model is None
+                   else _ensure_sharded(partitioner, draft_model, 'draft'))
+  if vocabulary.vocab_size > target_model.vocab_size:
+    raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
+                   f' only {target_model.vocab_size}; they do not belong together.')
+  if draft_model is not None:
     try:
-      out.check(fingerprint, partial=True)  # before the (slow) model loading
-    except outputs_lib.OutputError as e:
+      decoding.check_pair(target_model, draft_model)
+    except ValueError as e:
       raise JobError(str(e)) from None
+  return _Pair(target=target_model, draft=draft_model)
 
-    # 2. Models (placed in their shards when a partitioner is set).
-    if partitioner is not None:
-      partitioner = providers.provide(partitioner, 'Building the device mesh', partitioning.Partitioner)
-      if process_count > 1 and not partitioner.is_local:
-        raise JobError(
-            'partitioning.Partitioner.devices is global, but each process decodes its own'
-            ' share of the dataset; a mesh over several processes needs the same batches on'
-            " every process. Use devices = 'local' (one model replica per host).")
-    target_model = providers.provide(target, 'Loading the target model', protocol.Model,
-                            partitioner=partitioner, role='target')
-    draft_model = (providers.provide(draft, 'Loading the draft model', protocol.Model,
-                            partitioner=partitioner, role='draft')
-                   if 'speculative' in methods else None)
-    if partitioner is not None:
-      target_model = _ensure_sharded(partitioner, target_model, 'target')
-      draft_model = (None if draft_model is None
-                     else _ensure_sharded(partitioner, draft_model, 'draft'))
-    if vocabulary.vocab_size > target_model.vocab_size:
-      raise JobError(f'The vocabulary has {vocabulary.vocab_size} ids but the target model'
-                     f' only {target_model.vocab_size}; they do not belong together.')
-    if draft_model is not None:
-      try:
-        decoding.check_pair(target_model, draft_model)
-      except ValueError as e:
-        raise JobError(str(e)) from None
-    input_limit = _input_limit(max_input_length, max_new_tokens, target_model, draft_model)
-    try:
-      encoded = inputs_lib.encode_examples(
-          examples, vocabulary, max_input_length=input_limit, on_too_long=on_too_long,
-          add_eos=add_eos_to_inputs)
-    except inputs_lib.DataError as e:
-      raise JobError(str(e)) from None
-    rule = None
-    if adaptive_gamma and draft_model is not None:
-      print(f'Timing c and r(γ) for adaptive γ (batch {batch_size}, γ ≤ {max_gamma}; cached'
-            ' per machine) …', file=progress_stream or sys.stderr, flush=True)
-      rule = measure.measure_adaptive_gamma(
-          target_model, draft_model, max_gamma=max_gamma, batch_size=batch_size,
-          context_length=_cost_context(encoded, max_new_tokens), draft_stopping=draft_stopping,
-          prior_alpha=float(prior_alpha))
-      if adaptive.never_drafts(rule):
-        print(f'Adaptive γ: at the prior α {rule.prior_alpha:g} drafting does not pay at batch'
-              f' {batch_size} (c {rule.draft_cost:.3f}, r(0 … {max_gamma})'
-              f' {", ".join(f"{r:.2f}" for r in rule.verify_costs)}), so no round would draft:'
-              ' the baseline loop decodes. A higher run_job.prior_alpha makes it try.',
-              file=progress_stream or sys.stderr, flush=True)
 
-    # 3. The directory is accepted: the full fingerprint (models included) is recorded or
-    #    matched, and only now does anything in it change.
-    fingerprint.update(fingerprint_lib.model_entries({'target': target_model,
-                                                      'draft': draft_model}))
-    try:
-      done = out.resume(fingerprint)
-    except outputs_lib.OutputError as e:
-      raise JobError(str(e)) from None
-    outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
-    _report_truncation(encoded, done, input_limit, max_input_length, progress_stream)
+def _encode_inputs(settings: settings_lib.JobSettings, inputs: _Inputs, pair: _Pair) -> _Inputs:
+  """Phase 4b: the examples as token ids, held to the input limit (`_input_limit`)."""
+  input_limit = _input_limit(settings.max_input_length, settings.max_new_tokens, pair.target,
+                             pair.draft)
+  try:
+    encoded = inputs_lib.encode_examples(
+        inputs.examples, inputs.vocabulary, max_input_length=input_limit,
+        on_too_long=settings.on_too_long, add_eos=settings.add_eos_to_inputs)
+  except inputs_lib.DataError as e:
+    raise JobError(str(e)) from None
+  return dataclasses.replace(inputs, encoded=encoded, input_limit=input_limit)
 
-    # 4. Examples skipped by the length rule are recorded once, like decoded ones.
-    skipped = [e for e in encoded if e.skipped and e.example.index not in done]
-    if skipped:
-      out.append([_base_record(e) for e in skipped])
-    pending = [e for e in encoded if not e.skipped and e.example.index not in done]
-    batches = inputs_lib.make_batches(pending, batch_size=batch_size, buckets=buckets,
-                                      pad_id=vocabulary.pad_id)
-    num_done = len(examples) - len(pending)
-    if done:
-      print(f'Resuming {output_dir}: {len(done)} of {len(examples)} examples already recorded.',
-            file=progress_stream or sys.stderr)
-    policy_record, speculate = None, True
-    if policy is not None:
-      tree, policy_record = _apply_policy(
-          policy, out, batches[0] if batches else None, target_model, draft_model,
-          gamma=gamma, sampling=sampling, seed=seed, vocabulary=vocabulary,
-          stream=progress_stream or sys.stderr)
-      speculate = policy_record.get('chosen') != tree_policy_lib.BASELINE
-      spec_gamma = gamma if tree is None else tree.describe()
-    bar = progress_lib.Progress(len(examples), initial=num_done, stream=progress_stream,
-                                enabled=show_progress,
-                                label='compare' if mode == 'compare' else methods[0])
-    warmed: set[tuple[str, tuple[int, ...]]] = set()
-    compile_s = 0.0
-    try:
-      for batch in batches:
-        records, batch_compile_s = _decode_batch(
-            batch, methods, target_model, draft_model, vocabulary, warmed,
-            exclude_compile_time=exclude_compile_time, gamma=rule or gamma, sampling=sampling,
-            max_new_tokens=max_new_tokens, seed=seed + batch.examples[0].example.index,
-            partitioner=partitioner, tree=tree, speculate=speculate)
-        compile_s += batch_compile_s
-        out.append(records)
-        recorded_this_run += len(records)
-        bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
-    except KeyboardInterrupt:
-      bar.close()
-      # Counted from the file: Ctrl-C may land after a batch's write, before it was counted.
-      recorded = len(outputs_lib.read_predictions(out.predictions_path))
-      raise Interrupted(
-          f'interrupted after {recorded - num_done} examples ({recorded} of'
-          f' {len(examples)} recorded in {job_dir}); rerun the same command to resume.'
-      ) from None
-    bar.close()
 
-    # 5. The report covers every recorded example, this run's and earlier runs'.
-    all_records = outputs_lib.read_predictions(out.predictions_path)
-    cost = None
-    if rule is not None:
-      cost = {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
-              'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
-              'prior_alpha': rule.prior_alpha, 'never_drafts': adaptive.never_drafts(rule),
-              'batch_size': batch_size}
-    elif measure_cost and draft_model is not None and speculate:
-      # A tree's verification costs about a chain's of as many rows (r for its nodes).
-      cost = _measure_cost(target_model, draft_model,
-                           gamma=gamma if tree is None else tree.num_nodes,
-                           batch_size=batch_size,
-                           context_length=_cost_context(encoded, max_new_tokens))
-    metrics = job_metrics.compute_metrics(all_records, mode=mode, gamma=spec_gamma,
-                                          sampling=sampling, cost=cost, tree=tree,
-                                          reference_metrics=reference_metrics)
-    if policy_record is not None:
-      metrics['tree_policy'] = policy_record
-      metrics['speculation'] = 'on' if speculate else (
-          'off: the tree policy measured the baseline fastest, so the speculative method'
-          ' decoded without a draft')
-    metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
-                      'compile_and_warmup_s': compile_s, 'batch_size': batch_size,
-                      'max_new_tokens': max_new_tokens, 'length_buckets': list(buckets),
-                      'input_limit': input_limit,
-                      'decoded_this_run': len(pending), 'resumed_from': len(done),
-                      'output_dir': job_dir, 'process_index': process_index,
-                      'process_count': process_count}
-    if partitioner is not None:
-      metrics['job']['mesh'] = partitioner.mesh_shape
-    outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
-    outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
+def _calibrate_gamma(settings: settings_lib.JobSettings, pair: _Pair, inputs: _Inputs,
+                     stream) -> adaptive.AdaptiveGamma | None:
+  """Phase 5: with gamma = 'adaptive', the rule with c and r(γ) timed on this machine (or read
+  from the cost cache); None otherwise."""
+  if not settings.adaptive or pair.draft is None:
+    return None
+  batch_size, max_gamma = settings.batch_size, settings.max_gamma
+  print(f'Timing c and r(γ) for adaptive γ (batch {batch_size}, γ ≤ {max_gamma}; cached'
+        ' per machine) …', file=stream, flush=True)
+  rule = measure.measure_adaptive_gamma(
+      pair.target, pair.draft, max_gamma=max_gamma, batch_size=batch_size,
+      context_length=_cost_context(inputs.encoded, settings.max_new_tokens),
+      draft_stopping=settings.draft_stopping, prior_alpha=settings.prior_alpha)
+  if adaptive.never_drafts(rule):
+    print(f'Adaptive γ: at the prior α {rule.prior_alpha:g} drafting does not pay at batch'
+          f' {batch_size} (c {rule.draft_cost:.3f}, r(0 … {max_gamma})'
+          f' {", ".join(f"{r:.2f}" for r in rule.verify_costs)}), so no round would draft:'
+          ' the baseline loop decodes. A higher run_job.prior_alpha makes it try.',
+          file=stream, flush=True)
+  return rule
+
+
+def _accept_output_dir(out: outputs_lib.OutputDir, fingerprint: dict[str, Any],
+                       pair: _Pair) -> dict[int, dict[str, Any]]:
+  """Phase 6: the full fingerprint (models included) is recorded or matched, and only now does
+  anything in the directory change. Returns the examples already recorded, by index."""
+  fingerprint = dict(fingerprint, **fingerprint_lib.model_entries({'target': pair.target,
+                                                                   'draft': pair.draft}))
+  try:
+    done = out.resume(fingerprint)
+  except outputs_lib.OutputError as e:
+    raise JobError(str(e)) from None
+  outputs_lib.write_atomic(out.file(outputs_lib.CONFIG), gin.config_str())
+  return done
+
+
+def _plan_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir,
+                  inputs: _Inputs, done, output_dir: str,
+                  stream) -> tuple[list[inputs_lib.Batch], int]:
+  """Phase 6b: examples skipped by the length rule are recorded once, like decoded ones; the
+  rest not yet recorded are batched. Returns the batches and the examples already done."""
+  skipped = [e for e in inputs.encoded if e.skipped and e.example.index not in done]
+  if skipped:
+    out.append([records_lib.base_record(e) for e in skipped])
+  pending = [e for e in inputs.encoded if not e.skipped and e.example.index not in done]
+  batches = inputs_lib.make_batches(pending, batch_size=settings.batch_size,
+                                    buckets=settings.buckets, pad_id=inputs.vocabulary.pad_id)
+  if done:
+    print(f'Resuming {output_dir}: {len(done)} of {len(inputs.examples)} examples already'
+          ' recorded.', file=stream)
+  return batches, len(inputs.examples) - len(pending)
+
+
+def _choose_decoding(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, batches,
+                     pair: _Pair, vocabulary, rule, stream) -> _Decoding:
+  """Phase 7: how the speculative method decodes: the adaptive rule, the fixed γ or tree, or
+  what a tree policy chose on the first pending batch."""
+  if settings.policy is None:
+    return _Decoding(gamma=rule or settings.gamma, rule=rule, tree=settings.tree)
+  tree, record = _apply_policy(settings.policy, out, batches[0] if batches else None,
+                               pair.target, pair.draft, gamma=settings.gamma,
+                               sampling=settings.sampling, seed=settings.seed,
+                               vocabulary=vocabulary, stream=stream)
+  return _Decoding(gamma=settings.gamma, tree=tree, policy_record=record,
+                   speculate=record.get('chosen') != tree_policy_lib.BASELINE)
+
+
+def _decode_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, batches,
+                    pair: _Pair, inputs: _Inputs, choice: _Decoding, num_done: int,
+                    recorded_this_run: list[int], partitioner, progress_stream) -> float:
+  """Phase 8: every batch decoded by each method and appended (durably) to the predictions.
+  Returns the compile-and-warm-up seconds; counts appended examples in `recorded_this_run`.
+  Ctrl-C becomes `Interrupted` with the count of recorded examples."""
+  methods = settings.methods
+  bar = progress_lib.Progress(len(inputs.examples), initial=num_done, stream=progress_stream,
+                              enabled=settings.show_progress,
+                              label='compare' if settings.mode == 'compare' else methods[0])
+  warmed: set[tuple[str, tuple[int, ...]]] = set()
+  compile_s = 0.0
+  try:
+    for batch in batches:
+      records, batch_compile_s = records_lib.decode_batch(
+          batch, methods, pair.target, pair.draft, inputs.vocabulary, warmed,
+          exclude_compile_time=settings.exclude_compile_time, gamma=choice.gamma,
+          sampling=settings.sampling, max_new_tokens=settings.max_new_tokens,
+          seed=settings.seed + batch.examples[0].example.index, partitioner=partitioner,
+          tree=choice.tree, speculate=choice.speculate)
+      compile_s += batch_compile_s
+      out.append(records)
+      recorded_this_run[0] += len(records)
+      bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
   except KeyboardInterrupt:
-    raise Interrupted(f'interrupted after {recorded_this_run} examples; rerun the same command'
-                      ' to resume.') from None
-  finally:
-    out.close()
-  if process_count > 1:
-    metrics = _merge_processes(output_dir, process_index, process_count, metrics, mode=mode,
-                               gamma=spec_gamma, sampling=sampling, tree=tree,
-                               reference_metrics=reference_metrics)
-  print(job_metrics.summary(metrics))
-  if metrics.get('num_bad_logits'):
-    message = (f"{metrics['num_bad_logits']} of {metrics['num_decoded']} examples stopped on"
-               ' non-finite (NaN/inf) logits (stop reason BAD_LOGITS; their outputs end before'
-               f' it). Check the checkpoints for NaN/Inf; outputs are in {output_dir}.')
-    if on_bad_logits == 'fail':
-      raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
-    warn(message)
+    bar.close()
+    # Counted from the file: Ctrl-C may land after a batch's write, before it was counted.
+    recorded = len(outputs_lib.read_predictions(out.predictions_path))
+    raise Interrupted(
+        f'interrupted after {recorded - num_done} examples ({recorded} of'
+        f' {len(inputs.examples)} recorded in {out.path}); rerun the same command to resume.'
+    ) from None
+  bar.close()
+  return compile_s
+
+
+def _report(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, pair: _Pair,
+            inputs: _Inputs, choice: _Decoding, partitioner, process: _Process, *,
+            job_start: float, compile_s: float, decoded_this_run: int,
+            resumed_from: int) -> dict[str, Any]:
+  """Phase 9: metrics.json over every recorded example, this run's and earlier runs'."""
+  metrics = job_metrics.compute_metrics(
+      outputs_lib.read_predictions(out.predictions_path), mode=settings.mode,
+      gamma=settings.describe_gamma(choice.tree), sampling=settings.sampling,
+      cost=_cost_entry(settings, pair, inputs, choice), tree=choice.tree,
+      reference_metrics=settings.reference_metrics)
+  if choice.policy_record is not None:
+    metrics['tree_policy'] = choice.policy_record
+    metrics['speculation'] = 'on' if choice.speculate else (
+        'off: the tree policy measured the baseline fastest, so the speculative method'
+        ' decoded without a draft')
+  metrics['job'] = {'wall_time_s': time.perf_counter() - job_start,
+                    'compile_and_warmup_s': compile_s, 'batch_size': settings.batch_size,
+                    'max_new_tokens': settings.max_new_tokens,
+                    'length_buckets': list(settings.buckets), 'input_limit': inputs.input_limit,
+                    'decoded_this_run': decoded_this_run, 'resumed_from': resumed_from,
+                    'output_dir': out.path, 'process_index': process.index,
+                    'process_count': process.count}
+  if partitioner is not None:
+    metrics['job']['mesh'] = partitioner.mesh_shape
+  outputs_lib.write_json_atomic(out.file(outputs_lib.METRICS), metrics)
+  outputs_lib.write_atomic(out.file(outputs_lib.OPERATIVE_CONFIG), gin.operative_config_str())
   return metrics
+
+
+def _cost_entry(settings: settings_lib.JobSettings, pair: _Pair, inputs: _Inputs,
+                choice: _Decoding) -> dict[str, Any] | None:
+  """metrics.json's cost_measurement: the adaptive rule's costs, or c and r timed now for
+  Theorem 3.8's prediction (a tree's verification costs about a chain's of as many rows)."""
+  rule = choice.rule
+  if rule is not None:
+    return {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
+            'max_gamma': rule.max_gamma, 'draft_stopping': rule.draft_stopping,
+            'prior_alpha': rule.prior_alpha, 'never_drafts': adaptive.never_drafts(rule),
+            'batch_size': settings.batch_size}
+  if not (settings.measure_cost and pair.draft is not None and choice.speculate):
+    return None
+  estimate = measure.measure_costs(
+      pair.target, pair.draft,
+      gamma=settings.gamma if choice.tree is None else choice.tree.num_nodes,
+      batch_size=settings.batch_size,
+      context_length=_cost_context(inputs.encoded, settings.max_new_tokens),
+      num_steps=4, repeats=3)
+  return estimate.to_dict()
+
+
+def _check_bad_logits(metrics: dict[str, Any], on_bad_logits: str, output_dir: str) -> None:
+  """Rows stopped on non-finite logits: `BadLogitsError` ('fail') or a warning ('warn')."""
+  if not metrics.get('num_bad_logits'):
+    return
+  message = (f"{metrics['num_bad_logits']} of {metrics['num_decoded']} examples stopped on"
+             ' non-finite (NaN/inf) logits (stop reason BAD_LOGITS; their outputs end before'
+             f' it). Check the checkpoints for NaN/Inf; outputs are in {output_dir}.')
+  if on_bad_logits == 'fail':
+    raise BadLogitsError(message + " Set run_job.on_bad_logits = 'warn' to only warn.")
+  warn(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers of the phases
 
 
 def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir,
@@ -530,17 +559,15 @@ def _input_limit(max_input_length: int, max_new_tokens: int, *models) -> int:
   return min(max_input_length, room)
 
 
-def _report_truncation(encoded, done, input_limit, max_input_length, stream) -> None:
-  truncated = sum(1 for e in encoded if e.truncated and e.example.index not in done)
+def _report_truncation(inputs: _Inputs, done, max_input_length: int, stream) -> None:
+  """One line on stderr when inputs were truncated (those not recorded before)."""
+  input_limit = inputs.input_limit
+  truncated = sum(1 for e in inputs.encoded if e.truncated and e.example.index not in done)
   if truncated:
     why = ('max_input_length' if input_limit == max_input_length else
            'the model context less max_new_tokens')
     print(f'{truncated} input(s) truncated to {input_limit} tokens ({why}).',
           file=stream or sys.stderr)
-
-
-def _process_dir(process_index: int) -> str:
-  return f'process_{process_index:03d}'
 
 
 def _ensure_sharded(partitioner, model: protocol.Model, role: str) -> protocol.Model:
@@ -553,64 +580,6 @@ def _ensure_sharded(partitioner, model: protocol.Model, role: str) -> protocol.M
     return model
   return partitioner.shard_model(model, role)
 
-
-def _merge_processes(output_dir: str, process_index: int, process_count: int,
-                     metrics: dict[str, Any], **report_kwargs) -> dict[str, Any]:
-  """Process 0 gathers every process's predictions and writes the merged report.
-
-  The records travel over JAX's own collectives (`process_allgather`), not a shared file
-  system: on a TPU slice each host writes its part to its own disk (`process_<p>/`), and only
-  process 0's `output_dir` gets the merged predictions.jsonl and metrics.json.
-  """
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  own = os.path.join(output_dir, _process_dir(process_index), outputs_lib.PREDICTIONS)
-  with open(own, 'rb') as f:
-    data = np.frombuffer(f.read(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
-  padded = np.zeros((int(sizes.max()),), np.uint8)
-  padded[:data.size] = data
-  parts = np.asarray(multihost_utils.process_allgather(padded))  # [processes, bytes]
-  if process_index == 0:
-    records, seen = [], set()
-    for p in range(process_count):
-      text = parts[p, :int(sizes.reshape(-1)[p])].tobytes()
-      for line in text.splitlines():
-        if not line.strip():
-          continue
-        record = json.loads(line)
-        if record['index'] in seen:
-          raise JobError(f'Example {record["index"]} was decoded by two processes; the'
-                         f' process directories under {output_dir} belong to different jobs.')
-        seen.add(record['index'])
-        records.append(record)
-    records.sort(key=lambda r: r['index'])
-    outputs_lib.write_atomic(os.path.join(output_dir, outputs_lib.PREDICTIONS),
-                             ''.join(json.dumps(r, ensure_ascii=False, allow_nan=True) + '\n'
-                                     for r in records))
-    merged = job_metrics.compute_metrics(records, cost=metrics.get('cost_measurement'), **report_kwargs)
-    merged['job'] = dict(metrics['job'], output_dir=output_dir, process_index=0,
-                         merged_from=[_process_dir(p) for p in range(process_count)])
-    outputs_lib.write_json_atomic(os.path.join(output_dir, outputs_lib.METRICS), merged)
-    metrics = merged
-  multihost_utils.sync_global_devices('speclm.run: the report is written')
-  return metrics
-
-
-def _base_record(item: inputs_lib.EncodedExample) -> dict[str, Any]:
-  example = item.example
-  record = {'index': example.index, 'id': example.id, 'input': example.input,
-            'input_tokens': item.length, 'truncated': item.truncated}
-  if example.reference is not None:
-    record['reference'] = example.reference
-  if item.skipped:
-    record['skipped'] = item.skipped
-  return record
-
-
-def _measure_cost(target, draft, *, gamma, batch_size, context_length) -> dict[str, Any]:
-  estimate = measure.measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
-                                   context_length=context_length, num_steps=4, repeats=3)
-  return estimate.to_dict()
 
 
 @gin.configurable
