@@ -2,12 +2,15 @@
 
 * WORKSPACE.md's public-API list (the `speclm/__init__.py` line of its repository map) names
   exactly `speclm.__all__`, and every name in it exists.
-* Every repository path the docs cite exists: backticked or linked paths under `speclm/`,
-  `scripts/`, `configs/`, `docs/`, `tests/`; `*.gin` names (found under `configs/`, as the job's
-  search path finds them); relative markdown links; every file of WORKSPACE.md's repository
-  map; and dotted names `speclm.module.name` (resolved from the source, nothing imported).
+* Every repository path the docs cite exists: paths under `speclm/`, `scripts/`, `configs/`,
+  `docs/`, `tests/` (in backticks, links or prose); `*.gin` names (found under `configs/`, as
+  the job's search path finds them); relative markdown links; every file of WORKSPACE.md's
+  repository map; and dotted names `speclm.module.name` (resolved from the source). Output
+  paths a user's run creates are allowed explicitly (`OUTPUT_FILES`, `OUTPUT_PREFIXES`).
+* Every script is in WORKSPACE.md's map, and every doc in it and in README.md's list.
 * Every public function and class that a speclm `__init__.py` exports has a docstring, and
-  those taking arrays have an `Args:` (or, for a class, `Attributes:`) section.
+  those taking arrays have an `Args:` (or, for a class, `Attributes:`) section; every
+  function and class the docs cite by name has a docstring.
 
 Everything is read from the files at test time, so a module that moves makes the docs that
 still cite its old place fail here. Tests on scratch copies show each check reports what it
@@ -278,6 +281,23 @@ def exported(repo: str = REPO) -> list[tuple[str, object]]:
   return found
 
 
+def cited_objects(doc_root: str = REPO) -> list[tuple[str, object]]:
+  """(dotted name, object) for each function or class the docs cite as `speclm.….name`."""
+  names = sorted({cited for doc in doc_files(doc_root)
+                  for _, kind, cited in cited_paths(doc) if kind == 'name'})
+  found = []
+  for name in names:
+    parts = name.split('.')
+    split = max(i for i in range(1, len(parts) + 1)
+                if module_file(REPO, '.'.join(parts[:i])))
+    value = importlib.import_module('.'.join(parts[:split]))
+    for attribute in parts[split:]:
+      value = getattr(value, attribute, None)
+    if inspect.isfunction(value) or inspect.isclass(value):
+      found.append((name, value))
+  return found
+
+
 def takes_arrays(value) -> bool:
   """Whether a function's (or a class constructor's) parameters include an array: annotated
   as one, or unannotated and named as arrays are here (`ARRAY_PARAMETERS`)."""
@@ -352,6 +372,12 @@ def test_exported_names_have_docstrings():
   items = exported()
   assert len(items) > 40  # every package's exports were found
   assert docstring_problems([i for i in items if i[0] not in PENDING]) == []
+
+
+def test_names_the_docs_cite_have_docstrings():
+  items = cited_objects()
+  assert len(items) > 20  # the docs cite many names
+  assert [p for p in docstring_problems(items) if p.endswith('no docstring')] == []
 
 
 def test_pending_list_is_current():
