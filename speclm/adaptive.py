@@ -161,7 +161,15 @@ def update_evidence(beta_sum, beta_count, round_sum, round_count,
 
 
 def expected_tokens(alpha: jax.Array, gamma: jax.Array) -> jax.Array:
-  """(1 − α^{γ+1}) / (1 − α), Equation (1), elementwise (γ + 1 where α = 1)."""
+  """(1 − α^{γ+1}) / (1 − α), Equation (1), elementwise (γ + 1 where α = 1).
+
+  Args:
+    alpha: `[...]` α per row (or a scalar).
+    gamma: γ, broadcastable against `alpha` (`choose_gamma`: `[G+1, 1]` against `[1, B]`).
+
+  Returns:
+    The expected tokens per round, broadcast shape, float32.
+  """
   gamma = jnp.asarray(gamma, jnp.float32)
   safe = jnp.where(alpha < 1.0, alpha, 0.5)
   return jnp.where(alpha < 1.0, (1.0 - safe ** (gamma + 1.0)) / (1.0 - safe), gamma + 1.0)

@@ -45,6 +45,9 @@ def _timed(fn):
 
 
 def main(argv):
+  """Decodes random prompts with a random 4-layer Llama target and a noisy copy as draft,
+  greedy and at temperature 1, and prints α, tokens per target call and both times.
+  """
   del argv
   target = llama.random_model(vocab_size=512, embed_dim=256, num_layers=4, seed=0,
                               num_heads=8, num_kv_heads=4)

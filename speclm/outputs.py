@@ -82,6 +82,7 @@ _FILE_MODE = 0o666 & ~_umask()
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
+  """`obj` as indented, key-sorted JSON, written atomically to `path` (`write_atomic`)."""
   write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + '\n')
 
 
@@ -133,9 +134,11 @@ class OutputDir:
 
   @property
   def predictions_path(self) -> str:
+    """The path of predictions.jsonl in this directory."""
     return os.path.join(self.path, PREDICTIONS)
 
   def file(self, name: str) -> str:
+    """The path of file `name` in this directory."""
     return os.path.join(self.path, name)
 
   def previous_fingerprint(self) -> dict[str, Any] | None:
@@ -257,6 +260,7 @@ class OutputDir:
     os.fsync(self._pred_fd)
 
   def close(self) -> None:
+    """Closes predictions.jsonl and releases the directory's lock; idempotent."""
     if self._pred_fd is not None:
       os.close(self._pred_fd)
       self._pred_fd = None

@@ -242,6 +242,7 @@ class Partitioner:
 
   @property
   def mesh_shape(self) -> dict[str, int]:
+    """Mesh axis name -> size, e.g. {'data': 2, 'model': 4}."""
     return dict(self.mesh.shape)
 
   def _rules(self, role: str) -> Rules:
@@ -250,14 +251,19 @@ class Partitioner:
     return self.rules[role]
 
   def spec(self, axes: LogicalAxes, shape: Sequence[int], role: str = 'target') -> PartitionSpec:
+    """The `PartitionSpec` of an array with logical `axes` and `shape`, under the rules of `role`
+    ('target' or 'draft'); see `logical_to_spec`.
+    """
     return logical_to_spec(axes, shape, self._rules(role), self.mesh_shape)
 
   def sharding(self, axes: LogicalAxes, shape: Sequence[int],
                role: str = 'target') -> NamedSharding:
+    """The `NamedSharding` on this mesh of `spec(axes, shape, role)`."""
     return NamedSharding(self.mesh, self.spec(axes, shape, role))
 
   @property
   def replicated(self) -> NamedSharding:
+    """A sharding that puts a whole copy on every device."""
     return NamedSharding(self.mesh, PartitionSpec())
 
   def batch_sharding(self, shape: Sequence[int]) -> NamedSharding:
@@ -421,6 +427,7 @@ class ShardedDefinition(protocol.WrappedLanguageModel):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V, the inner model's."""
     return self.inner.vocab_size
 
   def _constrain(self, cache):
@@ -428,21 +435,30 @@ class ShardedDefinition(protocol.WrappedLanguageModel):
         cache, self.partitioner.cache_shardings(self.inner, cache, self.role))
 
   def init_cache(self, batch_size, max_length):
+    """The inner model's, with the cache constrained to its shardings; see
+    `speclm.protocol.LanguageModel.init_cache`."""
     return self._constrain(self.inner.init_cache(batch_size, max_length))
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """The inner model's, with the cache constrained to its shardings; see
+    `speclm.protocol.LanguageModel.prefill`."""
     logits, cache = self.inner.prefill(params, inputs, input_lengths, cache)
     return logits, self._constrain(cache)
 
   def extend(self, params, tokens, cache):
+    """The inner model's, with the cache constrained to its shardings; see
+    `speclm.protocol.LanguageModel.extend`."""
     logits, cache = self.inner.extend(params, tokens, cache)
     return logits, self._constrain(cache)
 
   def extend_last(self, params, tokens, cache):
+    """The inner model's, with the cache constrained to its shardings; see
+    `speclm.protocol.LanguageModel.extend_last`."""
     logits, cache = self.inner.extend_last(params, tokens, cache)
     return logits, self._constrain(cache)
 
   def last_prefix_token(self, inputs, input_lengths):
+    """The inner model's: `[B]` the last token of each prompt."""
     return self.inner.last_prefix_token(inputs, input_lengths)
 
 

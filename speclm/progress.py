@@ -9,6 +9,7 @@ import tqdm
 
 
 def format_duration(seconds: float) -> str:
+  """`seconds` as MM:SS, or H:MM:SS from an hour; '--:--' for NaN or infinity."""
   if seconds != seconds or seconds == float('inf'):  # NaN or inf
     return '--:--'
   seconds = int(round(seconds))
@@ -89,6 +90,7 @@ class Progress:
     self._bar.set_postfix_str(f'{rate:.1f} tok/s', refresh=False)
 
   def update(self, n_examples: int, n_tokens: int = 0) -> None:
+    """Counts `n_examples` more examples done and `n_tokens` more tokens generated."""
     self.done += n_examples
     self.tokens += n_tokens
     self._set_postfix()
@@ -98,6 +100,7 @@ class Progress:
       self._bar.refresh()  # logs always get the line that says it is finished
 
   def close(self) -> None:
+    """Shows the final rate and closes the bar."""
     self._set_postfix()
     self._bar.close()
 

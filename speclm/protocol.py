@@ -11,7 +11,7 @@ The cache holds the first `lengths[b]` positions of row b's sequence; entries pa
 length are masked, never read, so rolling a row back is just lowering its length.
 
 Shape letters: B batch, P prompt (input) length, K tokens appended in one call, V vocabulary,
-L cache capacity in positions.
+L cache capacity in positions, D feature width (a target's hidden states).
 """
 
 from __future__ import annotations
@@ -34,56 +34,111 @@ class LanguageModel(abc.ABC):
 
   @abc.abstractmethod
   def init_cache(self, batch_size: int, max_length: int) -> Cache:
-    """An empty cache able to hold `max_length` positions per row, all lengths 0."""
+    """An empty cache, all lengths 0.
+
+    Args:
+      batch_size: B, the rows the cache holds.
+      max_length: L, the positions it holds per row (prefix and generated tokens).
+
+    Returns:
+      The cache pytree (`cache_lengths` `[B]` zeros, `cache_capacity` L).
+    """
 
   @abc.abstractmethod
   def prefill(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
               cache: Cache) -> tuple[jax.Array, Cache]:
-    """Processes the inputs `[B, P]` (right-padded; row b's real length `input_lengths[b]`).
+    """Processes each row's inputs into an empty cache.
 
-    Returns the logits `[B, V]` for the first new token and the cache, whose lengths are then
-    `prefix_length(input_lengths)`.
+    Args:
+      params: the model's parameters.
+      inputs: `[B, P]` int32, right-padded: row b's tokens are `inputs[b, :input_lengths[b]]`.
+      input_lengths: `[B]` int32, each at least 1.
+      cache: an empty cache from `init_cache`.
+
+    Returns:
+      (logits `[B, V]` for the first new token, the cache with lengths
+      `prefix_length(input_lengths)`).
     """
 
   @abc.abstractmethod
   def extend(self, params: Params, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-    """Appends `tokens` `[B, K]` at each row's own position, causal within the K.
+    """Appends tokens at each row's own position, causal within the K.
 
-    Returns logits `[B, K, V]` (position k predicts the token after tokens[:, k]) and the cache
-    with every row's length increased by K. K = 1 is a decode step; K = γ+1 is verification.
+    K = 1 is a decode step; K = γ+1 is verification.
+
+    Args:
+      params: the model's parameters.
+      tokens: `[B, K]` int32, written after each row's `cache_lengths`.
+      cache: the cache, with room for K more positions per row.
+
+    Returns:
+      (logits `[B, K, V]`: position k predicts the token after `tokens[:, k]`, the cache with
+      every row's length increased by K).
     """
 
   def extend_last(self, params: Params, tokens: jax.Array, cache: Cache
                   ) -> tuple[jax.Array, Cache]:
-    """`extend`, returning only the last position's logits `[B, V]`.
+    """`extend`, returning only the last position's logits.
 
     A draft catching up on tokens it has not read (the two it re-reads every round, or those
     of rounds it sat out) needs only its prediction after the newest. Models override this to
     apply their output head to that position alone: at a batch of 8 the head over every
     re-read position cost more than the rest of the catch-up (docs/performance.md).
+
+    Args:
+      params: the model's parameters.
+      tokens: `[B, K]` int32, as for `extend`.
+      cache: the cache, with room for K more positions per row.
+
+    Returns:
+      (logits `[B, V]` after `tokens[:, -1]`, the cache with lengths increased by K).
     """
     logits, cache = self.extend(params, tokens, cache)
     return logits[:, -1], cache
 
   @abc.abstractmethod
   def prefix_length(self, input_lengths: jax.Array | int) -> jax.Array | int:
-    """How many cache positions `prefill` fills for inputs of the given lengths."""
+    """How many cache positions `prefill` fills for inputs of the given lengths.
+
+    Args:
+      input_lengths: `[B]` int32 (or one int): the real lengths given to `prefill`.
+
+    Returns:
+      The same shape: the prompt length for a decoder-only model, 1 (the start token) for an
+      encoder-decoder one.
+    """
 
   @abc.abstractmethod
   def last_prefix_token(self, inputs: jax.Array, input_lengths: jax.Array) -> jax.Array:
-    """`[B]` the last token of the sequence after `prefill` (the prompt's last, or the start token)."""
+    """The last token of the sequence after `prefill` (the prompt's last, or the start token).
+
+    Args:
+      inputs: `[B, P]` int32, as given to `prefill`.
+      input_lengths: `[B]` int32.
+
+    Returns:
+      `[B]` int32.
+    """
 
   # Token trees (`speclm.token_trees`). Optional: models without them refuse tree decoding.
   def extend_tree(self, params: Params, tokens: jax.Array, tree: Any,
                   cache: Cache) -> tuple[jax.Array, Cache]:
-    """Appends a token tree of K nodes `tokens` `[B, K]` after each row's length.
+    """Appends a token tree of K nodes after each row's length.
 
-    `tree` is a `speclm.token_trees.TreeLayout`. Node k is written to cache slot
-    `length + k` but sits at sequence position `length + depths[k]`, and attends to the
-    row's committed positions and to its own ancestors only (`tree.ancestors`). Returns
-    logits `[B, K, V]` (node k's predict the token after it) and the cache with lengths
-    increased by K; `keep_tree_path` then makes one path an ordinary sequence. With a chain
-    (node k's parent k−1) this is `extend`.
+    Node k is written to cache slot `length + k` but sits at sequence position
+    `length + depths[k]`, and attends to the row's committed positions and to its own
+    ancestors only (`tree.ancestors`); `keep_tree_path` then makes one path an ordinary
+    sequence. With a chain (node k's parent k−1) this is `extend`.
+
+    Args:
+      params: the model's parameters.
+      tokens: `[B, K]` int32, the nodes in the layout's order (parents before children).
+      tree: a `speclm.token_trees.TreeLayout` of K nodes (depths `[K]`, ancestors `[K, K]`).
+      cache: the cache, with room for K more positions per row.
+
+    Returns:
+      (logits `[B, K, V]`: node k's predict the token after it, the cache with lengths
+      increased by K).
     """
     raise NotImplementedError(
         f'{type(self).__name__} does not verify token trees (no extend_tree); use a chain'
@@ -91,22 +146,39 @@ class LanguageModel(abc.ABC):
         ' and lookup drafts).')
 
   def keep_tree_path(self, cache: Cache, start: jax.Array, path: jax.Array) -> Cache:
-    """Makes a tree path contiguous: for i < M, the entry in slot `start + path[b, i]` moves
-    to slot `start + i` (`start` `[B]`, `path` `[B, M]`, increasing, path[b, i] >= i). Lengths
-    are unchanged (roll back to the kept length afterwards)."""
+    """Makes a tree path contiguous: for i < M, slot `start + path[b, i]` moves to `start + i`.
+
+    Lengths are unchanged (roll back to the kept length afterwards).
+
+    Args:
+      cache: the cache after `extend_tree`.
+      start: `[B]` int32, each row's length before the tree was appended.
+      path: `[B, M]` int32 node indices, increasing, `path[b, i] >= i`.
+
+    Returns:
+      The cache with the path's entries in slots `start … start + M − 1`.
+    """
     raise NotImplementedError(f'{type(self).__name__} does not verify token trees.')
 
   # Functional cache bookkeeping; models whose cache is a struct with `lengths` keep these.
   def cache_lengths(self, cache: Cache) -> jax.Array:
-    """`[B]` int32 positions held by each row."""
+    """`[B]` int32 positions held by each row of `cache`."""
     return cache.lengths
 
   def rollback(self, cache: Cache, lengths: jax.Array) -> Cache:
-    """The cache with each row cut back (or forward, over already written entries) to `lengths`."""
+    """The cache with each row cut back (or forward, over already written entries).
+
+    Args:
+      cache: the cache.
+      lengths: `[B]` int32 new lengths, at most the capacity L.
+
+    Returns:
+      The cache with `cache_lengths` = `lengths`; entries past them are ignored.
+    """
     return cache.replace(lengths=lengths.astype(jnp.int32))
 
   def cache_capacity(self, cache: Cache) -> int:
-    """Static number of positions the cache can hold per row."""
+    """Static number of positions L the cache can hold per row."""
     return cache.capacity
 
   def validate_params(self, params: Params) -> None:
@@ -127,22 +199,28 @@ class WrappedLanguageModel(LanguageModel):
   inner: LanguageModel  # declared again as a field by each (dataclass) subclass
 
   def prefix_length(self, input_lengths):
+    """The inner model's (`LanguageModel.prefix_length`)."""
     return self.inner.prefix_length(input_lengths)
 
   def cache_lengths(self, cache):
+    """The inner model's (`LanguageModel.cache_lengths`)."""
     return self.inner.cache_lengths(cache)
 
   def rollback(self, cache, lengths):
+    """The inner model's (`LanguageModel.rollback`)."""
     return self.inner.rollback(cache, lengths)
 
   def cache_capacity(self, cache):
+    """The inner model's (`LanguageModel.cache_capacity`)."""
     return self.inner.cache_capacity(cache)
 
   def keep_tree_path(self, cache, start, path):
+    """The inner model's (`LanguageModel.keep_tree_path`)."""
     return self.inner.keep_tree_path(cache, start, path)
 
   @property
   def max_context_length(self) -> int | None:
+    """The inner model's (`LanguageModel.max_context_length`)."""
     return self.inner.max_context_length
 
 
@@ -158,6 +236,8 @@ class FeatureSource(abc.ABC):
   feature_dim: int
 
   def with_feature_layers(self, layers: tuple[int, ...] | None) -> 'FeatureSource':
+    """This model handing out the hidden states after decoder layers `layers` (None: the final
+    ones). The base refuses anything but None."""
     if layers is None:
       return self
     raise TypeError(f'{type(self).__name__} hands out only its final hidden states, not those'
@@ -166,12 +246,28 @@ class FeatureSource(abc.ABC):
   @abc.abstractmethod
   def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
                             cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
-    """`prefill` that also returns the features `[B, P, D]` of every input position."""
+    """`prefill` that also returns the features of every input position.
+
+    Args:
+      params, inputs, input_lengths, cache: as for `LanguageModel.prefill` (inputs `[B, P]`,
+        input_lengths `[B]`).
+
+    Returns:
+      (logits `[B, V]`, features `[B, P, D]`: position p's is the hidden state that predicts
+      the token after `inputs[:, p]`, the cache).
+    """
 
   @abc.abstractmethod
   def extend_with_features(self, params: Params, tokens: jax.Array,
                            cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
-    """`extend` that also returns the features `[B, K, D]` of the K new positions."""
+    """`extend` that also returns the features of the K new positions.
+
+    Args:
+      params, tokens, cache: as for `LanguageModel.extend` (tokens `[B, K]`).
+
+    Returns:
+      (logits `[B, K, V]`, features `[B, K, D]`, the cache with lengths increased by K).
+    """
 
 
 class FeatureConditionedDraft(LanguageModel):
@@ -193,16 +289,40 @@ class FeatureConditionedDraft(LanguageModel):
   @abc.abstractmethod
   def prefill_with_features(self, params: Params, inputs: jax.Array, input_lengths: jax.Array,
                             features: jax.Array, cache: Cache) -> Cache:
-    """Processes the inputs `[B, P]` with the features `[B, P, D]` before each; the cache."""
+    """Processes each row's inputs, with the target's features before each, into a cache.
+
+    Args:
+      params: the draft's parameters.
+      inputs: `[B, P]` int32, right-padded.
+      input_lengths: `[B]` int32.
+      features: `[B, P, D]`: `features[:, p]` is the target's feature that predicted
+        `inputs[:, p]` (zeros at p = 0).
+      cache: an empty cache from `init_cache`.
+
+    Returns:
+      The cache (lengths `prefix_length(input_lengths)`); the draft proposes with
+      `extend_with_features` next.
+    """
 
   @abc.abstractmethod
   def extend_with_features(self, params: Params, tokens: jax.Array, features: jax.Array,
                            cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
-    """Appends `tokens` `[B, K]` with `features` `[B, K, D]` -> (logits `[B, K, V]`, the
-    draft's predicted features `[B, K, D']` for the same positions, cache). The features are
-    the target's (D = `feature_dim`) or the draft's own predictions (D = D')."""
+    """Appends tokens, each with the feature before it.
+
+    Args:
+      params: the draft's parameters.
+      tokens: `[B, K]` int32.
+      features: `[B, K, D]`: the target's (D = `feature_dim`) or the draft's own predictions
+        (D = D').
+      cache: the cache, with room for K more positions per row.
+
+    Returns:
+      (logits `[B, K, V]`, the draft's predicted features `[B, K, D']` for the same
+      positions, the cache with lengths increased by K).
+    """
 
   def prefill(self, *args, **kwargs):
+    """Refused: the draft needs the target's features (`prefill_with_features`)."""
     raise TypeError(f'{type(self).__name__} drafts from the target\'s features: use it through'
                     ' speclm.speculative_decode with a target that provides them (a'
                     ' protocol.FeatureSource such as a Llama model).')
@@ -219,6 +339,7 @@ class Model:
 
   @property
   def vocab_size(self) -> int:
+    """V, the definition's vocabulary size."""
     return self.definition.vocab_size
 
 

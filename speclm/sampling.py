@@ -70,6 +70,7 @@ class SamplingConfig:
 
   @property
   def is_greedy(self) -> bool:
+    """Whether temperature is 0: argmax, no randomness."""
     return self.temperature == 0
 
   def standardize(self, logits: jax.Array) -> jax.Array:
@@ -103,6 +104,13 @@ def standardize(logits: jax.Array, config: SamplingConfig) -> jax.Array:
 
   Logits of -inf (a draft that never proposes some tokens) become exact zeros. At least one
   logit per row must be finite.
+
+  Args:
+    logits: `[..., V]` any float dtype.
+    config: temperature (0: argmax, a one-hot on the first largest logit), top-k, top-p.
+
+  Returns:
+    `[..., V]` float32 probabilities summing to 1 on the last axis.
   """
   logits = logits.astype(jnp.float32)
   if config.is_greedy:

@@ -45,7 +45,15 @@ def acceptance_overlap(target_probs: jax.Array, draft_probs: jax.Array) -> jax.A
 
 def acceptance_probability(target_prob_of_draft: jax.Array,
                            draft_prob_of_draft: jax.Array) -> jax.Array:
-  """min(1, p(x)/q(x)) for the drafted x (Algorithm 1: "if r < p_i(x)/q_i(x), accept")."""
+  """min(1, p(x)/q(x)) for the drafted x (Algorithm 1: "if r < p_i(x)/q_i(x), accept").
+
+  Args:
+    target_prob_of_draft: `[...]` p(x), the target's probability of each drafted token.
+    draft_prob_of_draft: `[...]` q(x), the draft's (0 gives 0: a token q never proposes).
+
+  Returns:
+    `[...]` the acceptance probabilities.
+  """
   safe_q = jnp.where(draft_prob_of_draft > 0, draft_prob_of_draft, 1.0)
   ratio = jnp.where(draft_prob_of_draft > 0, target_prob_of_draft / safe_q, 0.0)
   return jnp.minimum(1.0, ratio)
@@ -56,6 +64,13 @@ def residual_distribution(target_probs: jax.Array, draft_probs: jax.Array) -> ja
 
   Its mass is 1 − β. If that is 0 (p = q), a rejection has probability 0, so the returned
   value is never used by an exact sampler; we return p to stay a valid distribution.
+
+  Args:
+    target_probs: `[..., V]` p.
+    draft_probs: `[..., V]` q.
+
+  Returns:
+    `[..., V]` p', summing to 1 on the last axis.
   """
   residual = jnp.maximum(target_probs - draft_probs, 0.0)
   mass = jnp.sum(residual, axis=-1, keepdims=True)

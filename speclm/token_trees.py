@@ -51,6 +51,7 @@ class TreeLayout:
 
   @property
   def num_nodes(self) -> int:
+    """K, the nodes of the tree (static)."""
     return self.parents.shape[1]
 
 
@@ -161,6 +162,7 @@ class TreeShape:
 
   @property
   def depths(self) -> tuple[int, ...]:
+    """Each node's depth, the root's 0 (as many entries as `parents`)."""
     depths = [0]
     for p in self.parents[1:]:
       depths.append(depths[p] + 1)
@@ -173,6 +175,7 @@ class TreeShape:
 
   @property
   def ranks(self) -> tuple[int, ...]:
+    """Each node's rank among its siblings (0: its parent's first candidate), the root's 0."""
     ranks = [0]
     for k, p in enumerate(self.parents[1:], start=1):
       ranks.append(sum(1 for q in self.parents[1:k] if q == p))
@@ -180,6 +183,7 @@ class TreeShape:
 
   @property
   def max_children(self) -> int:
+    """The most children any node has."""
     return max(self.parents[1:].count(p) for p in set(self.parents[1:]))
 
   def level_sizes(self) -> tuple[int, ...]:
@@ -195,6 +199,7 @@ class TreeShape:
     return paths[1:]
 
   def describe(self) -> str:
+    """A one-line description for reports (nodes, depth, candidate rule)."""
     return (f'tree of {self.num_nodes} nodes, depth {self.depth}, candidates'
             f' {self.candidates}')
 
@@ -237,6 +242,7 @@ class DynamicTree:
     return self.top_k + (self.depth - 1) * self.width * self.top_k
 
   def describe(self) -> str:
+    """A one-line description for reports (nodes, depth, top-k, width)."""
     return (f'dynamic tree of {self.num_nodes} nodes (depth {self.depth}, top-{self.top_k},'
             f' width {self.width})')
 

@@ -83,6 +83,7 @@ def find(cases: Sequence[Case], name: str, batch_size: int, temperature: float,
 
 
 def median(xs: Sequence[float]) -> float:
+  """The median of `xs` (`statistics.median`)."""
   return statistics.median(xs)
 
 

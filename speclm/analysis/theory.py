@@ -137,8 +137,13 @@ def tree_expected_tokens(parents, rank_acceptance) -> float:
 
       E = 1 + Σ_{v ≠ root} Π_{edges (u→w) on the path to v} a_{rank(w)}
 
-  For a chain, a = (α,), this is Eq. (1): 1 + α + … + α^γ. `parents` is a sequence or a
-  `speclm.token_trees.TreeShape`. Measure the rates with `rank_acceptance_rates`.
+  For a chain, a = (α,), this is Eq. (1): 1 + α + … + α^γ. Measure the rates with
+  `rank_acceptance_rates`.
+
+  Args:
+    parents: `[K+1]` each node's parent, the root's −1 first (a sequence, or a
+      `speclm.token_trees.TreeShape`).
+    rank_acceptance: `[R]` a_r per rank r, summing to at most 1 (ranks past R: 0).
   """
   parents = _tree_parents(parents)
   rates = np.asarray(rank_acceptance, dtype=np.float64)
@@ -184,8 +189,16 @@ def choose_tree(candidates, rank_acceptance, c, r) -> tuple[str, dict[str, float
 
 
 def rank_acceptance_rates(rank_accepted, rank_offered) -> np.ndarray:
-  """Measured `rank_acceptance` from a tree decode's `DecodeStats` (`rank_accepted`,
-  `rank_offered`): a_r = times rank r was kept / reached nodes that had a rank-r child."""
+  """Measured `rank_acceptance` from a tree decode's `DecodeStats`: a_r = times rank r was
+  kept / reached nodes that had a rank-r child (0 where none had).
+
+  Args:
+    rank_accepted: `[R]` `DecodeStats.rank_accepted`.
+    rank_offered: `[R]` `DecodeStats.rank_offered`.
+
+  Returns:
+    `[R]` float64 rates.
+  """
   accepted = np.asarray(rank_accepted, dtype=np.float64)
   offered = np.asarray(rank_offered, dtype=np.float64)
   return np.where(offered > 0, accepted / np.maximum(offered, 1), 0.0)
@@ -247,6 +260,11 @@ def expected_batch_iterations(alphas, gamma: int, num_tokens) -> float:
   count per row (rows that stop at an end token). Rows are independent:
   P(max R_b ≤ k) = Π_b P(R_b ≤ k), and E[max] = Σ_{k ≥ 0} (1 − P(max ≤ k)). One row gives
   E[R] ≈ num_tokens / Eq. (1) for long generations.
+
+  Args:
+    alphas: `[B]` α of each row (a scalar: one row).
+    gamma: γ.
+    num_tokens: tokens every row makes (an int), or `[B]` one count per row.
   """
   alphas = np.atleast_1d(_check_alpha(alphas))
   if alphas.ndim != 1 or alphas.size == 0:

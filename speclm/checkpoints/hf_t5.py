@@ -142,6 +142,11 @@ def to_transformers(model: protocol.Model):
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict:
+  """The parsed config.json of a Hugging Face model directory.
+
+  Raises:
+    CheckpointError: the file is missing or is not valid JSON.
+  """
   path = os.path.join(os.fspath(directory), 'config.json')
   if not os.path.isfile(path):
     raise CheckpointError(f'Not a Hugging Face model directory (no config.json): {path}')

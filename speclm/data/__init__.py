@@ -1,4 +1,12 @@
-"""Inputs for decoding jobs: datasets (files, seqio tasks) and vocabularies.
+"""Inputs for decoding jobs: datasets (files, seqio tasks, built-in prompts) and vocabularies.
+
+  inputs            examples from JSONL/TSV/text files, encoding, length buckets, batches
+                    (exported here)
+  vocab             the `Vocabulary` interface: bytes, SentencePiece, any encode/decode pair
+                    (exported here)
+  builtin_prompts   the demo's prompts and the SmolLM2 draft's training and held-out prompts
+  grounded_prompts  training requests grounded in passages (standard-library docstrings)
+  seqio_tasks       the paper's WMT EnDe and CNN/DailyMail as seqio tasks
 
 `speclm.data.seqio_tasks` (the optional `seqio` extra) is not imported here; import it to
 register the paper's WMT EnDe and CNN/DailyMail tasks.

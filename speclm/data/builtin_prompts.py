@@ -62,6 +62,7 @@ _HELDOUT_TOPICS = (
 
 
 def demo_prompts() -> list[str]:
+  """The demo's eight prompts (`DEMO_PROMPTS`), as a new list."""
   return list(DEMO_PROMPTS)
 
 

@@ -66,9 +66,11 @@ class ByteVocabulary(Vocabulary):
     self.eos_id = self.EOS
 
   def encode(self, text: str) -> list[int]:
+    """UTF-8 bytes of `text`, each offset past the three special ids."""
     return [b + self.OFFSET for b in text.encode('utf-8')]
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids` up to the first end id; special and out-of-range ids are dropped."""
     data = bytes(i - self.OFFSET for i in self._until_eos(ids)
                  if self.OFFSET <= i < self.OFFSET + 256)
     return data.decode('utf-8', errors='replace')
@@ -92,12 +94,15 @@ class FunctionVocabulary(Vocabulary):
 
   @property
   def end_ids(self) -> tuple[int, ...]:
+    """The ids that end a reply: `eos_id` and the `end_ids` given."""
     return tuple(dict.fromkeys(super().end_ids + self._end_ids))
 
   def encode(self, text: str) -> list[int]:
+    """`encode_fn(text)` as a list of ints."""
     return [int(i) for i in self._encode_fn(text)]
 
   def decode(self, ids: Sequence[int]) -> str:
+    """`decode_fn` of `ids` up to the first end id."""
     return self._decode_fn(self._until_eos(ids))
 
 
@@ -127,9 +132,11 @@ class SentencePieceVocabulary(Vocabulary):
     self.eos_id = eos if eos >= 0 else None
 
   def encode(self, text: str) -> list[int]:
+    """The SentencePiece ids of `text` (no end token appended)."""
     return list(self._sp.EncodeAsIds(text))
 
   def decode(self, ids: Sequence[int]) -> str:
+    """The text of `ids` up to the first end id; padding and sentinel ids are dropped."""
     kept = [i for i in self._until_eos(ids) if 0 <= i < self._num_pieces and i != self.pad_id]
     return self._sp.DecodeIds(kept)
 

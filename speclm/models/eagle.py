@@ -107,18 +107,22 @@ class EagleDraft(protocol.FeatureConditionedDraft):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V, the target's vocabulary (the head's S tokens are scattered into it)."""
     return self.full_vocab_size
 
   @property
   def feature_dim(self) -> int:  # type: ignore[override]
+    """The width of the target features it reads: D, or D per feature layer."""
     return self.config.embed_dim * len(self.feature_layers or (None,))
 
   @property
   def max_context_length(self) -> int | None:
+    """The draft layers' trained context, or None."""
     return self.config.max_position_embeddings
 
   @property
   def module(self) -> EagleModule:
+    """The Flax module (feature fusion, the draft's layers, the subset head)."""
     return EagleModule(self.config, len(self.feature_layers or ()))
 
   @property
@@ -127,6 +131,8 @@ class EagleDraft(protocol.FeatureConditionedDraft):
     return llama.Llama(self.config)
 
   def init_cache(self, batch_size, max_length):
+    """The cache of a Llama of the draft's layers; see
+    `speclm.protocol.LanguageModel.init_cache`."""
     return self._layers.init_cache(batch_size, max_length)
 
   def apply(self, params, tokens, features, cache, positions=None, visible=None):
@@ -137,19 +143,25 @@ class EagleDraft(protocol.FeatureConditionedDraft):
                              positions, visible)
 
   def extend_with_features(self, params, tokens, features, cache):
+    """Logits over the full vocabulary (q̃ = 0 outside the head's tokens) and the predicted
+    features ĥ `[B, K, D]`; see `speclm.protocol.FeatureConditionedDraft.extend_with_features`.
+    """
     predicted, logits, cache = self.apply(params, tokens, features, cache)
     logits = subset_vocab.to_full_vocab(logits, params['head_ids'], self.full_vocab_size)
     return logits, predicted, cache
 
   def prefill_with_features(self, params, inputs, input_lengths, features, cache):
+    """See `speclm.protocol.FeatureConditionedDraft.prefill_with_features`."""
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     _, _, cache = self.apply(params, inputs, features, cache)
     return cache.replace(lengths=input_lengths.astype(jnp.int32))
 
   def prefix_length(self, input_lengths):
+    """The prompt lengths (one cache position per token)."""
     return self._layers.prefix_length(input_lengths)
 
   def last_prefix_token(self, inputs, input_lengths):
+    """`[B]` the last real token of each prompt `[B, P]`."""
     return self._layers.last_prefix_token(inputs, input_lengths)
 
   @staticmethod

@@ -14,6 +14,12 @@ def dot(spec: str, x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
 
   float32 accumulation keeps bfloat16 models accurate, and XLA's CPU bfloat16 dots are slow
   without it.
+
+  Args:
+    spec: the einsum string, in shape letters (e.g. 'BKD,DF->BKF').
+    x: the activations, e.g. `[B, K, D]`.
+    kernel: the weights, e.g. `[D, F]`.
+    dtype: the dtype both are cast to, and the result's.
   """
   return jnp.einsum(spec, x.astype(dtype), kernel.astype(dtype),
                     preferred_element_type=jnp.float32).astype(dtype)

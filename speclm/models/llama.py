@@ -186,6 +186,7 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
+    """L, the positions each row can hold (static)."""
     return self.keys.shape[3]
 
 
@@ -279,11 +280,19 @@ _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Atten
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap·tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is None."""
+  """cap·tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is None.
+
+  `x` is any shape (scores `[B, N, G, K, L]`, logits `[B, K, V]`); the result has its shape.
+  """
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class Attention(nn.Module):
+  """Grouped-query self-attention over the cache: RoPE, optional QK norms, sliding windows.
+
+  Query heads N share key-value heads Nkv in groups of N / Nkv (GQA); the K new keys and values
+  are written into this layer's cache slots after each row's length.
+  """
   config: LlamaConfig
   layer: int = 0  # which decoder layer: its RoPE base and whether its window slides
 
@@ -336,6 +345,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+  """The gated MLP: down(act(gate(x)) · up(x)), SiLU (SwiGLU) or tanh-GELU (Gemma).
+
+  `__call__`: x `[B, K, D]` -> `[B, K, D]` through width F.
+  """
   config: LlamaConfig
 
   @nn.compact
@@ -351,6 +364,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """One pre-norm decoder block: attention and MLP residuals (Gemma: also post-norms).
+
+  `__call__` takes and returns what `Attention` does: x `[B, K, D]`, this layer's keys and
+  values `[B, Nkv, L, H]`.
+  """
   config: LlamaConfig
   layer: int = 0
 
@@ -376,6 +394,7 @@ class LlamaModule(nn.Module):
   config: LlamaConfig
 
   def setup(self):
+    """The embedding table, the decoder layers, the final norm and (untied) the head."""
     c = self.config
     pd = jnp.dtype(c.param_dtype)
     self.embedder = nn.Embed(c.vocab_size, c.embed_dim, param_dtype=pd,
@@ -419,7 +438,8 @@ class LlamaModule(nn.Module):
     return x, cache
 
   def hidden_and_logits(self, tokens, cache: KVCache):
-    """Both halves in one call; used to initialize every parameter, the head included."""
+    """tokens `[B, K]` -> (logits `[B, K, V]`, cache): both halves in one call, used to
+    initialize every parameter, the head included."""
     hidden, cache = self(tokens, cache)
     return self.logits(hidden), cache
 
@@ -447,10 +467,12 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V."""
     return self.config.vocab_size
 
   @property
   def module(self) -> LlamaModule:
+    """The Flax module for this config (parameters are passed to its `apply`)."""
     return LlamaModule(self.config)
 
   @property
@@ -459,11 +481,23 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return self.config.max_position_embeddings
 
   def init_params(self, rng: jax.Array) -> dict:
+    """Random parameters for this config.
+
+    Args:
+      rng: a `jax.random` key.
+
+    Returns:
+      The parameter tree (`{'embedder': …, 'layers_0': …, …}`).
+    """
     cache = self.init_cache(1, 1)
     return self.module.init(rng, jnp.zeros((1, 1), jnp.int32), cache,
                             method=LlamaModule.hidden_and_logits)['params']
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    """A `KVCache`: keys and values `[layers, B, Nkv, L, H]` in `config.dtype`, lengths 0.
+
+    See `speclm.protocol.LanguageModel.init_cache`.
+    """
     c = self.config
     shape = (c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim)
     return KVCache(keys=jnp.zeros(shape, c.dtype), values=jnp.zeros(shape, c.dtype),
@@ -471,9 +505,13 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
 
   @property
   def feature_dim(self) -> int:  # type: ignore[override]
+    """D, or D times the number of `feature_layers`: the width of the features."""
     return self.config.embed_dim * len(self.feature_layers or (None,))
 
   def with_feature_layers(self, layers):
+    """This model handing out the hidden states after decoder layers `layers` (None: the final
+    norm's output). Raises ValueError for a layer it does not have.
+    """
     if layers is not None:
       layers = tuple(int(i) for i in layers)
       bad = [i for i in layers if not 0 <= i < self.config.num_layers]
@@ -492,19 +530,26 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return hidden, taps, cache
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """The whole prompt in one causal pass; see `speclm.protocol.LanguageModel.prefill`."""
     logits, _, cache = self.prefill_with_features(params, inputs, input_lengths, cache)
     return logits, cache
 
   def extend(self, params, tokens, cache):
+    """See `speclm.protocol.LanguageModel.extend`."""
     logits, _, cache = self.extend_with_features(params, tokens, cache)
     return logits, cache
 
   def extend_last(self, params, tokens, cache):
+    """`extend` with the head applied to the last position only; see
+    `speclm.protocol.LanguageModel.extend_last`."""
     hidden, cache = self.module.apply({'params': params}, tokens, cache)
     logits = self.module.apply({'params': params}, hidden[:, -1:], method=LlamaModule.logits)
     return logits[:, 0], cache
 
   def prefill_with_features(self, params, inputs, input_lengths, cache):
+    """`prefill` that also returns the features `[B, P, feature_dim]`; see
+    `speclm.protocol.FeatureSource.prefill_with_features`.
+    """
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     hidden, features, cache = self._features(params, inputs, cache)
     last = jnp.take_along_axis(hidden, (input_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
@@ -512,22 +557,29 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return logits, features, cache.replace(lengths=input_lengths.astype(jnp.int32))
 
   def extend_with_features(self, params, tokens, cache):
+    """`extend` that also returns the features `[B, K, feature_dim]`; see
+    `speclm.protocol.FeatureSource.extend_with_features`.
+    """
     hidden, features, cache = self._features(params, tokens, cache)
     logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
     return logits, features, cache
 
   def extend_tree(self, params, tokens, tree, cache):
+    """Tree attention masks over the cache; see `speclm.protocol.LanguageModel.extend_tree`."""
     hidden, cache = self.module.apply({'params': params}, tokens, cache, tree)
     return self.module.apply({'params': params}, hidden, method=LlamaModule.logits), cache
 
   def keep_tree_path(self, cache, start, path):
+    """Moves the path's keys and values; see `speclm.protocol.LanguageModel.keep_tree_path`."""
     keep = lambda x: layers.keep_path(x, start, path, batch_axis=1, position_axis=2)
     return cache.replace(keys=keep(cache.keys), values=keep(cache.values))
 
   def prefix_length(self, input_lengths):
+    """The prompt lengths: a decoder-only model caches the whole prompt."""
     return input_lengths
 
   def last_prefix_token(self, inputs, input_lengths):
+    """`[B]` the last real token of each prompt `[B, P]`."""
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
 
   def forward(self, params, tokens) -> jax.Array:
@@ -536,6 +588,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return self.extend(params, tokens, cache)[0]
 
   def validate_params(self, params) -> None:
+    """Raises ValueError unless `params` has this config's names and shapes."""
     expected = jax.eval_shape(self.init_params, jax.random.key(0))
     trees.check_tree_shapes(expected, params)
 

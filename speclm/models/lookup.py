@@ -113,22 +113,31 @@ class PromptLookup(ngram.HistoryModel):
     return jnp.where(found[..., None], peaked, 0.0)  # uniform if no match
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """Records the prompt; logits `[B, V]` peaked on the lookup's proposal after it (uniform
+    where nothing matches). See `speclm.protocol.LanguageModel.prefill`.
+    """
     del params
     history, positions = _history_after_prefill(cache, inputs, input_lengths)
     return self._logits(history.tokens, positions)[:, 0], history
 
   def extend(self, params, tokens, cache):
+    """Records the tokens; logits `[B, K, V]` as for `prefill`. See
+    `speclm.protocol.LanguageModel.extend`."""
     del params
     history, positions = _history_after_extend(cache, tokens)
     return self._logits(history.tokens, positions), history
 
   def extend_tree(self, params, tokens, tree, cache):
+    """Each node proposes from its own path's history (`path_histories`); see
+    `speclm.protocol.LanguageModel.extend_tree`.
+    """
     del params
     proposal, found = _propose_per_node(self, cache, tokens, tree)
     return (jnp.where(found[..., None], self._peaked(proposal), 0.0),
             ngram.append_tokens(cache, tokens))
 
   def validate_params(self, params) -> None:
+    """Raises ValueError unless `params` is empty (the lookup has none)."""
     if params:
       raise ValueError('The prompt-lookup draft has no parameters; pass {}.')
 
@@ -203,10 +212,12 @@ class LookupFirst(protocol.LanguageModel):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V, the fallback draft's."""
     return self.fallback.vocab_size
 
   @property
   def max_context_length(self) -> int | None:
+    """The fallback draft's."""
     return self.fallback.max_context_length
 
   def _combine(self, logits, history: ngram.TokenHistory, positions) -> jax.Array:
@@ -214,21 +225,28 @@ class LookupFirst(protocol.LanguageModel):
     return jnp.where(found[..., None], peaked, logits.astype(jnp.float32))
 
   def init_cache(self, batch_size: int, max_length: int) -> LookupFirstCache:
+    """The fallback's cache and an empty token history; see
+    `speclm.protocol.LanguageModel.init_cache`."""
     return LookupFirstCache(self.fallback.init_cache(batch_size, max_length),
                             ngram.init_history(batch_size, max_length))
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """The fallback's logits, the lookup's where it matches; see
+    `speclm.protocol.LanguageModel.prefill`."""
     logits, fallback_cache = self.fallback.prefill(params, inputs, input_lengths, cache.fallback)
     history, positions = _history_after_prefill(cache.history, inputs, input_lengths)
     logits = self._combine(logits[:, None], history, positions)[:, 0]
     return logits, LookupFirstCache(fallback_cache, history)
 
   def extend(self, params, tokens, cache):
+    """The fallback's logits, the lookup's where it matches; see
+    `speclm.protocol.LanguageModel.extend`."""
     logits, fallback_cache = self.fallback.extend(params, tokens, cache.fallback)
     history, positions = _history_after_extend(cache.history, tokens)
     return self._combine(logits, history, positions), LookupFirstCache(fallback_cache, history)
 
   def extend_last(self, params, tokens, cache):
+    """As `extend`, for the last position only; see `speclm.protocol.LanguageModel.extend_last`."""
     logits, fallback_cache = self.fallback.extend_last(params, tokens, cache.fallback)
     history, positions = _history_after_extend(cache.history, tokens)
     logits = self._combine(logits[:, None], history, positions[:, -1:])[:, 0]
@@ -252,26 +270,33 @@ class LookupFirst(protocol.LanguageModel):
             LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
 
   def keep_tree_path(self, cache, start, path):
+    """Both caches keep the path; see `speclm.protocol.LanguageModel.keep_tree_path`."""
     return LookupFirstCache(self.fallback.keep_tree_path(cache.fallback, start, path),
                             ngram.history_keep_path(cache.history, start, path))
 
   def prefix_length(self, input_lengths):
+    """The fallback's (the prompt lengths)."""
     return self.fallback.prefix_length(input_lengths)
 
   def last_prefix_token(self, inputs, input_lengths):
+    """The fallback's: `[B]` the last real token of each prompt."""
     return self.fallback.last_prefix_token(inputs, input_lengths)
 
   def cache_lengths(self, cache):
+    """`[B]` the fallback cache's lengths (the history's are the same)."""
     return self.fallback.cache_lengths(cache.fallback)
 
   def rollback(self, cache, lengths):
+    """Both caches to `lengths` `[B]`; see `speclm.protocol.LanguageModel.rollback`."""
     return LookupFirstCache(self.fallback.rollback(cache.fallback, lengths),
                             cache.history.replace(lengths=lengths.astype(jnp.int32)))
 
   def cache_capacity(self, cache):
+    """The smaller of the fallback cache's and the history's capacity."""
     return min(self.fallback.cache_capacity(cache.fallback), cache.history.capacity)
 
   def validate_params(self, params) -> None:
+    """The fallback's check (the parameters are the fallback's)."""
     self.fallback.validate_params(params)
 
 
@@ -288,19 +313,27 @@ class LookupFirstWithFeatures(LookupFirst, protocol.FeatureConditionedDraft):
 
   @property
   def feature_dim(self) -> int:  # type: ignore[override]
+    """The fallback draft's."""
     return self.fallback.feature_dim
 
   @property
   def feature_layers(self):  # type: ignore[override]
+    """The fallback draft's."""
     return self.fallback.feature_layers
 
   def prefill_with_features(self, params, inputs, input_lengths, features, cache):
+    """The fallback reads the prompt and features; the history records the prompt. See
+    `speclm.protocol.FeatureConditionedDraft.prefill_with_features`.
+    """
     fallback_cache = self.fallback.prefill_with_features(params, inputs, input_lengths,
                                                          features, cache.fallback)
     history, _ = _history_after_prefill(cache.history, inputs, input_lengths)
     return LookupFirstCache(fallback_cache, history)
 
   def extend_with_features(self, params, tokens, features, cache):
+    """The fallback's logits (the lookup's where it matches) and the fallback's predicted
+    features; see `speclm.protocol.FeatureConditionedDraft.extend_with_features`.
+    """
     logits, predicted, fallback_cache = self.fallback.extend_with_features(
         params, tokens, features, cache.fallback)
     history, positions = _history_after_extend(cache.history, tokens)

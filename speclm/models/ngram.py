@@ -51,16 +51,24 @@ class TokenHistory:
 
   @property
   def capacity(self) -> int:
+    """L, the tokens each row can hold (static)."""
     return self.tokens.shape[1]
 
 
 def init_history(batch_size: int, max_length: int) -> TokenHistory:
+  """An empty history: tokens `[B, L]` zeros for B = `batch_size`, L = `max_length`; lengths 0."""
   return TokenHistory(tokens=jnp.zeros((batch_size, max_length), jnp.int32),
                       lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def write_prompt(history: TokenHistory, inputs, input_lengths) -> TokenHistory:
-  """The history holding `inputs[b, :input_lengths[b]]` (entries past a length are ignored)."""
+  """The history holding `inputs[b, :input_lengths[b]]` (entries past a length are ignored).
+
+  Args:
+    history: the history to write into (its tokens `[B, L]`).
+    inputs: `[B, P]` int right-padded prompts; positions past L are dropped.
+    input_lengths: `[B]` int, the new lengths.
+  """
   width = min(inputs.shape[1], history.capacity)
   tokens = history.tokens.at[:, :width].set(inputs[:, :width].astype(jnp.int32))
   return TokenHistory(tokens=tokens, lengths=input_lengths.astype(jnp.int32))
@@ -83,15 +91,19 @@ class HistoryModel(protocol.LanguageModel):
   """Shared protocol plumbing of drafts whose cache is the token history."""
 
   def init_cache(self, batch_size: int, max_length: int) -> TokenHistory:
+    """An empty `TokenHistory`; see `speclm.protocol.LanguageModel.init_cache`."""
     return init_history(batch_size, max_length)
 
   def prefix_length(self, input_lengths):
+    """The prompt lengths (the history holds the whole prompt)."""
     return input_lengths
 
   def last_prefix_token(self, inputs, input_lengths):
+    """`[B]` the last real token of each prompt `[B, P]`."""
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
 
   def keep_tree_path(self, cache, start, path):
+    """`history_keep_path`; see `speclm.protocol.LanguageModel.keep_tree_path`."""
     return history_keep_path(cache, start, path)
 
 
@@ -100,6 +112,8 @@ class NodeLocalModel(HistoryModel):
   (unigram, bigram): a token tree's logits are then `extend`'s, node by node."""
 
   def extend_tree(self, params, tokens, tree, cache):
+    """`extend` on the nodes (the tree does not matter); see
+    `speclm.protocol.LanguageModel.extend_tree`."""
     del tree
     return self.extend(params, tokens, cache)
 
@@ -111,14 +125,19 @@ class Unigram(NodeLocalModel):
   vocab_size: int
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """Records the prompt; the unigram log-probabilities `[B, V]`. See
+    `speclm.protocol.LanguageModel.prefill`."""
     history = write_prompt(cache, inputs, input_lengths)
     return jnp.broadcast_to(params['log_probs'], (inputs.shape[0], self.vocab_size)), history
 
   def extend(self, params, tokens, cache):
+    """Records the tokens; the unigram log-probabilities `[B, K, V]`. See
+    `speclm.protocol.LanguageModel.extend`."""
     logits = jnp.broadcast_to(params['log_probs'], tokens.shape + (self.vocab_size,))
     return logits, append_tokens(cache, tokens)
 
   def validate_params(self, params) -> None:
+    """Raises ValueError unless `params` is {'log_probs': [V]}."""
     _check_shapes(params, {'log_probs': (self.vocab_size,)})
 
 
@@ -142,14 +161,19 @@ class Bigram(NodeLocalModel):
     return logits.reshape(shape + (self.vocab_size,))
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """Records the prompt; log q(· | the prompt's last token) `[B, V]`. See
+    `speclm.protocol.LanguageModel.prefill`."""
     history = write_prompt(cache, inputs, input_lengths)
     last = self.last_prefix_token(inputs, input_lengths)
     return self.next_token_logits(params, last), history
 
   def extend(self, params, tokens, cache):
+    """Records the tokens; log q(· | tokens[:, k]) `[B, K, V]`. See
+    `speclm.protocol.LanguageModel.extend`."""
     return self.next_token_logits(params, tokens), append_tokens(cache, tokens)
 
   def validate_params(self, params) -> None:
+    """Raises ValueError unless `params` has the bigram's keys and shapes (see the module)."""
     v, s = self.vocab_size, self.max_successors
     _check_shapes(params, {'unigram_log_probs': (v,), 'backoff_log_weight': (v,),
                            'next_tokens': (v, s), 'next_log_probs': (v, s)})

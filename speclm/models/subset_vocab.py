@@ -34,10 +34,12 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V, the full vocabulary."""
     return self.full_vocab_size
 
   @property
   def subset_size(self) -> int:
+    """S − 1, the tokens the draft can propose."""
     return self.inner.vocab_size - 1
 
   def _to_inner(self, params, tokens):
@@ -49,28 +51,38 @@ class SubsetVocabModel(protocol.WrappedLanguageModel):
                          self.full_vocab_size)
 
   def init_cache(self, batch_size, max_length):
+    """The inner model's; see `speclm.protocol.LanguageModel.init_cache`."""
     return self.inner.init_cache(batch_size, max_length)
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """Full-vocabulary tokens mapped into the subset, logits `[…, V]` back out (−inf outside it);
+    see `speclm.protocol.LanguageModel.prefill`."""
     logits, cache = self.inner.prefill(params['inner'], self._to_inner(params, inputs),
                                        input_lengths, cache)
     return self._to_full(params, logits), cache
 
   def extend(self, params, tokens, cache):
+    """Full-vocabulary tokens mapped into the subset, logits `[…, V]` back out (−inf outside it);
+    see `speclm.protocol.LanguageModel.extend`."""
     logits, cache = self.inner.extend(params['inner'], self._to_inner(params, tokens), cache)
     return self._to_full(params, logits), cache
 
   def extend_last(self, params, tokens, cache):
+    """Full-vocabulary tokens mapped into the subset, logits `[…, V]` back out (−inf outside it);
+    see `speclm.protocol.LanguageModel.extend_last`."""
     logits, cache = self.inner.extend_last(params['inner'], self._to_inner(params, tokens),
                                            cache)
     return self._to_full(params, logits), cache
 
   def extend_tree(self, params, tokens, tree, cache):
+    """Full-vocabulary tokens mapped into the subset, logits `[…, V]` back out (−inf outside it);
+    see `speclm.protocol.LanguageModel.extend_tree`."""
     logits, cache = self.inner.extend_tree(params['inner'], self._to_inner(params, tokens), tree,
                                            cache)
     return self._to_full(params, logits), cache
 
   def last_prefix_token(self, inputs, input_lengths):
+    """`[B]` the last real (full-vocabulary) token of each prompt `[B, P]`."""
     return jnp.take_along_axis(inputs, (input_lengths - 1)[:, None], axis=1)[:, 0]
 
 
@@ -116,6 +128,7 @@ class ResizedVocabModel(protocol.WrappedLanguageModel):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V, the resized vocabulary size."""
     return self.resized_vocab_size
 
   def _to_inner(self, tokens):
@@ -129,25 +142,35 @@ class ResizedVocabModel(protocol.WrappedLanguageModel):
     return jnp.concatenate([logits, pad], axis=-1)
 
   def init_cache(self, batch_size, max_length):
+    """The inner model's; see `speclm.protocol.LanguageModel.init_cache`."""
     return self.inner.init_cache(batch_size, max_length)
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """The inner model's, with ids it lacks entering as its last id and logits resized to V; see
+    `speclm.protocol.LanguageModel.prefill`."""
     logits, cache = self.inner.prefill(params, self._to_inner(inputs), input_lengths, cache)
     return self._resize(logits), cache
 
   def extend(self, params, tokens, cache):
+    """The inner model's, with ids it lacks entering as its last id and logits resized to V; see
+    `speclm.protocol.LanguageModel.extend`."""
     logits, cache = self.inner.extend(params, self._to_inner(tokens), cache)
     return self._resize(logits), cache
 
   def extend_last(self, params, tokens, cache):
+    """The inner model's, with ids it lacks entering as its last id and logits resized to V; see
+    `speclm.protocol.LanguageModel.extend_last`."""
     logits, cache = self.inner.extend_last(params, self._to_inner(tokens), cache)
     return self._resize(logits), cache
 
   def extend_tree(self, params, tokens, tree, cache):
+    """The inner model's, with ids it lacks entering as its last id and logits resized to V; see
+    `speclm.protocol.LanguageModel.extend_tree`."""
     logits, cache = self.inner.extend_tree(params, self._to_inner(tokens), tree, cache)
     return self._resize(logits), cache
 
   def last_prefix_token(self, inputs, input_lengths):
+    """The inner model's: `[B]` the last token of each prompt."""
     return self.inner.last_prefix_token(inputs, input_lengths)
 
 

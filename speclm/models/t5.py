@@ -153,6 +153,7 @@ class T5Cache:
 
   @property
   def capacity(self) -> int:
+    """L, the decoder positions each row can hold (static)."""
     return self.keys.shape[2]
 
 
@@ -243,6 +244,7 @@ class Attention(nn.Module):
   config: T5Config
 
   def setup(self):
+    """The query, key, value and output projections (T5X initialisation scales)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     inner = c.num_heads * c.head_dim
@@ -278,6 +280,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+  """T5's MLP: one activation (v1.0: ReLU) or a gated product of several (v1.1: GeGLU).
+
+  `__call__`: x `[B, K, D]` -> `[B, K, D]` through width F.
+  """
   config: T5Config
 
   @nn.compact
@@ -295,9 +301,14 @@ class MLP(nn.Module):
 
 
 class EncoderLayer(nn.Module):
+  """One pre-norm encoder block: bidirectional self-attention, then the MLP.
+
+  `__call__`: x `[B, P, D]`, the relative-position bias and the visibility mask -> `[B, P, D]`.
+  """
   config: T5Config
 
   def setup(self):
+    """The two norms, the self-attention and the MLP."""
     c = self.config
     pd = jnp.dtype(c.param_dtype)
     self.pre_attention_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
@@ -313,9 +324,11 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
+  """The encoder stack: shared bidirectional relative-position biases, layers, final norm."""
   config: T5Config
 
   def setup(self):
+    """The relative-position biases, the layers and the final norm."""
     c = self.config
     self.relpos_bias = RelativePositionBiases(c, bidirectional=True)
     self.layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
@@ -333,9 +346,13 @@ class Encoder(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """One pre-norm decoder block: causal self-attention over the cache, cross-attention to
+  the encoder's output, then the MLP.
+  """
   config: T5Config
 
   def setup(self):
+    """The three norms, the self- and cross-attention and the MLP."""
     c = self.config
     pd = jnp.dtype(c.param_dtype)
     self.pre_self_attention_layer_norm = layers.RMSNorm(c.layer_norm_epsilon, pd)
@@ -346,6 +363,7 @@ class DecoderLayer(nn.Module):
     self.mlp = MLP(c)
 
   def cross_key_value(self, encoded):
+    """Encoded `[B, P, D]` -> this layer's cross keys, values `[B, P, N, H]`."""
     return self.encoder_decoder_attention.project_key_value(encoded)
 
   def __call__(self, x, self_bias, self_visible, keys, values, lengths, cross_keys,
@@ -369,9 +387,11 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+  """The decoder stack: causal relative-position biases, layers, final norm, the head."""
   config: T5Config
 
   def setup(self):
+    """The relative-position biases, the layers, the final norm and (untied) the head."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     self.relpos_bias = RelativePositionBiases(c, bidirectional=False)
@@ -420,6 +440,7 @@ class Decoder(nn.Module):
     return self.decoder_norm(x), cache
 
   def logits(self, hidden):
+    """Hidden `[B, K, D]` -> float32 logits `[B, K, V]` through the untied head."""
     return self.logits_dense(hidden).astype(jnp.float32)
 
 
@@ -429,6 +450,7 @@ class T5Module(nn.Module):
   config: T5Config
 
   def setup(self):
+    """The shared token embedding, the encoder and the decoder."""
     c = self.config
     self.token_embedder = nn.Embed(c.vocab_size, c.emb_dim, param_dtype=jnp.dtype(c.param_dtype),
                                    embedding_init=nn.initializers.normal(stddev=1.0))
@@ -439,9 +461,11 @@ class T5Module(nn.Module):
     return self.token_embedder(tokens).astype(jnp.dtype(self.config.dtype))
 
   def encode(self, inputs, input_lengths):
+    """Inputs `[B, P]` with lengths `[B]` -> encoded `[B, P, D]`."""
     return self.encoder(self._embed(inputs), input_lengths)
 
   def cross_key_value(self, encoded):
+    """Encoded `[B, P, D]` -> cross keys, values `[layers, B, P, N, H]`."""
     return self.decoder.cross_key_value(encoded)
 
   def decode(self, tokens, cache: T5Cache, tree=None):
@@ -480,10 +504,12 @@ class T5(protocol.LanguageModel):
 
   @property
   def vocab_size(self) -> int:  # type: ignore[override]
+    """V."""
     return self.config.vocab_size
 
   @property
   def module(self) -> T5Module:
+    """The Flax module for this config (parameters are passed to its `apply`)."""
     return T5Module(self.config)
 
   @property
@@ -511,7 +537,18 @@ class T5(protocol.LanguageModel):
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
   def encode(self, params, inputs, input_lengths, cache: T5Cache) -> T5Cache:
-    """Runs the encoder once and stores every decoder layer's cross-attention keys/values."""
+    """Runs the encoder once and stores every decoder layer's cross-attention keys/values.
+
+    Args:
+      params: the model's parameters.
+      inputs: `[B, P]` int32 right-padded encoder inputs.
+      input_lengths: `[B]` int32.
+      cache: from `init_cache(B, L, input_length=P)`.
+
+    Returns:
+      The cache with cross keys/values `[layers, B, P, N, H]`, encoder lengths, and decoder
+      lengths 0.
+    """
     module = self.module
     encoded = module.apply({'params': params}, inputs, input_lengths, method=T5Module.encode)
     cross_keys, cross_values = module.apply({'params': params}, encoded,
@@ -522,27 +559,36 @@ class T5(protocol.LanguageModel):
                          lengths=jnp.zeros_like(cache.lengths))
 
   def prefill(self, params, inputs, input_lengths, cache):
+    """Encodes the inputs `[B, P]`, then reads the decoder's start token: logits `[B, V]`,
+    cache lengths 1. See `speclm.protocol.LanguageModel.prefill`.
+    """
     cache = self.encode(params, inputs, input_lengths, cache)
     start = jnp.full((inputs.shape[0], 1), self.config.decoder_start_token_id, jnp.int32)
     logits, cache = self.extend(params, start, cache)
     return logits[:, 0], cache
 
   def extend(self, params, tokens, cache):
+    """Decoder tokens `[B, K]`; see `speclm.protocol.LanguageModel.extend`."""
     return self.module.apply({'params': params}, tokens, cache, method=T5Module.decode)
 
   def extend_tree(self, params, tokens, tree, cache):
+    """Decoder tree attention over the cache; see `speclm.protocol.LanguageModel.extend_tree`."""
     return self.module.apply({'params': params}, tokens, cache, tree, method=T5Module.decode)
 
   def keep_tree_path(self, cache, start, path):
+    """Moves the path's self-attention keys and values; see
+    `speclm.protocol.LanguageModel.keep_tree_path`."""
     keep = lambda x: layers.keep_path(x, start, path, batch_axis=1, position_axis=1)
     return cache.replace(keys=keep(cache.keys), values=keep(cache.values))
 
   def prefix_length(self, input_lengths):
+    """1 for every row (the start token), whatever the input lengths."""
     if isinstance(input_lengths, (int, np.integer)):
       return 1
     return jnp.ones_like(input_lengths)
 
   def last_prefix_token(self, inputs, input_lengths):
+    """`[B]` the decoder start token, for inputs `[B, P]`."""
     del input_lengths
     return jnp.full((inputs.shape[0],), self.config.decoder_start_token_id, jnp.int32)
 
@@ -553,6 +599,7 @@ class T5(protocol.LanguageModel):
                         jnp.asarray(decoder_tokens, jnp.int32))
 
   def validate_params(self, params) -> None:
+    """Raises ValueError unless `params` has this config's names and shapes."""
     trees.check_tree_shapes(self.param_shapes(), params)
 
   def logical_axes(self) -> dict:
@@ -590,6 +637,7 @@ class T5(protocol.LanguageModel):
                    encoder_lengths=('batch',), lengths=('batch',))
 
   def num_params(self) -> int:
+    """The number of parameters of this config (counted from shapes, nothing allocated)."""
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.param_shapes()))
 
 

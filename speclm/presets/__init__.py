@@ -5,8 +5,9 @@ analysis and the job:
 
   * `smollm2`: SmolLM2-135M-Instruct, the embedded default target (GGUF from a pip package),
     and its tokenizer;
-  * `smollm2_draft`: the trained drafts shipped for it in `speclm/assets/` (the subset-vocabulary
-    Llama draft and the EAGLE-style draft);
+  * `smollm2_draft`: the trained subset-vocabulary Llama draft shipped for it in
+    `speclm/assets/smollm2_draft/` (`load`), and `load_eagle` for an EAGLE-style draft trained
+    by `scripts/train_smollm2_eagle.py` (none is shipped: give its path);
   * `t5`: a T5 whose parameters are restored from a checkpoint path (Hugging Face directory,
     T5X Orbax or legacy T5X), `load_t5(config, checkpoint_path)`.
 

@@ -48,6 +48,7 @@ def gguf_path() -> str:
 
 
 def is_available() -> bool:
+  """Whether the SmolLM2 GGUF file is installed (`gguf_path` finds it)."""
   try:
     gguf_path()
   except FileNotFoundError:

@@ -16,17 +16,22 @@ and the repository's `configs/` are always searched, after them).
 Modes: 'speculative', 'baseline', 'compare' (both on the same batches and seeds; the report
 says whether the outputs are identical, which greedy decoding guarantees).
 
-Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`):
-  model provider       -> `speclm.protocol.Model`  (`random_llama`, `t5_checkpoint_model`,
-                          `checkpoint_llm` (any Hugging Face or GGUF decoder-only checkpoint),
-                          `smollm2_model`, `ngram_draft`, `prompt_lookup_draft`,
-                          `checkpoint_model`, or any function you register with gin)
+Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`;
+all in `speclm.run.providers`):
+  model provider       -> `speclm.protocol.Model`: `random_llama`; `smollm2_model` (the demo's
+                          target) and its drafts `smollm2_draft_model` (the trained draft;
+                          the demo puts it behind prompt lookup, `lookup_min_ngram = 2`) and
+                          `smollm2_eagle_draft_model`; `checkpoint_llm` (any Hugging Face or
+                          GGUF decoder-only checkpoint), `t5_checkpoint_model`,
+                          `checkpoint_model`; `ngram_draft`, `prompt_lookup_draft`; or any
+                          function you register with gin
   vocabulary provider  -> `speclm.data.Vocabulary` (`ByteVocabulary`, `SentencePieceVocabulary`,
                           `FunctionVocabulary`), or any tokenizer with encode/decode/vocab_size
-                          (`smollm2_tokenizer`, `checkpoint_tokenizer`,
+                          (`smollm2_tokenizer`, `smollm2_chat_vocabulary` (the demo's: each
+                          input a chat message), `checkpoint_tokenizer`,
                           `checkpoint_chat_vocabulary`)
-  dataset provider     -> list of `speclm.data.Example` (`file_dataset`, `synthetic_dataset`,
-                          `seqio_dataset`)
+  dataset provider     -> list of `speclm.data.Example` (`builtin_prompts_dataset` (the
+                          demo's), `file_dataset`, `synthetic_dataset`, `seqio_dataset`)
 
 The package's modules:
   cli          the command line (absl flags, exit statuses)

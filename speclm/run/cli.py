@@ -33,6 +33,10 @@ _GIN_SEARCH_PATHS = flags.DEFINE_list(
 
 
 def main(argv: Sequence[str]) -> None:
+  """The job's entry after flag parsing: parses gin, checks checkpoint paths, runs the job or
+  the sweep; user errors exit with a message instead of a traceback (status 2; 1 for bad
+  logits; 130 when interrupted).
+  """
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
   if not flags.FLAGS['verbosity'].present:
@@ -80,6 +84,7 @@ def _parse_flags(argv: list[str]):
 
 
 def run_main() -> None:
+  """`python -m speclm.run`: parses the flags (`--gin.NAME=VALUE` rewritten) and runs `main`."""
   app.run(main, flags_parser=_parse_flags)
 
 

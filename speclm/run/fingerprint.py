@@ -53,10 +53,12 @@ _MAX_DIR_FILES = 100_000
 
 
 def settings_entries(settings: dict[str, Any]) -> dict[str, Any]:
+  """Fingerprint entries (`settings.NAME`) for the job's settings."""
   return {f'settings.{name}': value for name, value in settings.items()}
 
 
 def dataset_entries(dataset_hash: str, num_examples: int) -> dict[str, Any]:
+  """Fingerprint entries for the dataset: its content hash and number of examples."""
   return {'dataset.hash': dataset_hash, 'dataset.num_examples': num_examples}
 
 

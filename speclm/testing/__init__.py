@@ -1,8 +1,11 @@
-"""Helpers for tests: exact sequence distributions and goodness-of-fit checks.
+"""Helpers for tests: exact sequence distributions, goodness-of-fit checks, greedy replays.
 
 With a vocabulary of a handful of tokens and a few new tokens, the probability a model's
 standardized sampling assigns to *every* continuation can be enumerated from teacher-forced
 logits. Speculative samples must then fit that distribution (paper, Appendix A.1).
+
+`check_greedy_replay` checks a greedy decode's statistics against Corollary 3.6 along its own
+text; `speclm.testing.scripts` runs the repository's scripts from tests.
 """
 
 from __future__ import annotations
@@ -44,7 +47,15 @@ def exact_continuation_distribution(
 
 
 def sequence_ids(sequences: np.ndarray, vocab_size: int) -> np.ndarray:
-  """Index of each sequence `[N, n]` in the lexicographic order of `exact_…_distribution`."""
+  """Index of each sequence in the lexicographic order of `exact_continuation_distribution`.
+
+  Args:
+    sequences: `[N, n]` token ids, each in [0, V).
+    vocab_size: V.
+
+  Returns:
+    `[N]` int64 indices into that function's `[V^n]` probabilities.
+  """
   weights = vocab_size ** np.arange(sequences.shape[1] - 1, -1, -1)
   return sequences.astype(np.int64) @ weights
 
@@ -55,6 +66,14 @@ def chi_square_pvalue(sample_ids: np.ndarray, probs: np.ndarray,
 
   Cells with expected count below `min_expected` are pooled into one cell, as usual, so the
   chi-square approximation holds. A sample in a cell of probability 0 gives p-value 0.
+
+  Args:
+    sample_ids: `[S]` the cell of each of S samples (e.g. `sequence_ids` of sampled sequences).
+    probs: `[C]` the exact probability of each of C cells (normalized here).
+    min_expected: the expected count below which cells are pooled.
+
+  Returns:
+    The p-value (0 to 1); small values reject that the samples follow `probs`.
   """
   n = len(sample_ids)
   probs = np.asarray(probs, np.float64) / np.sum(probs)
@@ -82,6 +101,22 @@ def check_greedy_replay(target, draft, prompts, lengths, *, gamma: int, max_new_
   A feature-conditioned (EAGLE-style) draft needs γ = 1: teacher-forced β reads the target's
   true features everywhere, as the loop does only for a round's first proposal. The replay then
   checks that the loop hands over the right features in every round, whatever it accepted.
+
+  Args:
+    target: the target `speclm.Model`.
+    draft: the draft `speclm.Model` (a feature-conditioned one with `gamma` 1 only).
+    prompts: `[B, P]` int32 right-padded prompts.
+    lengths: `[B]` int32 prompt lengths.
+    gamma: γ of the speculative decode.
+    max_new_tokens: tokens each row generates.
+    batch_size: rows per call of the teacher-forced reference.
+
+  Returns:
+    (the `measure.greedy_round_replay` result, β `[B, max_new_tokens + gamma]` along the
+    target's greedy text).
+
+  Raises:
+    AssertionError: a statistic of the loop differs from the replay's.
   """
   import speclm  # pylint: disable=import-outside-toplevel
   from speclm import protocol  # pylint: disable=import-outside-toplevel
