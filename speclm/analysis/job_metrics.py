@@ -113,79 +113,100 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | st
   }
   with_refs = [r for r in decoded if r.get('reference') is not None]
   for method in methods:
-    rows = [r[method] for r in decoded]
-    time_s = sum(r['time_s'] for r in rows)
-    tokens = sum(r['num_tokens'] for r in rows)
-    calls = sum(r['target_calls'] for r in rows)
-    entry = {
-        'decode_time_s': time_s, 'tokens': tokens,
-        'tokens_per_s': tokens / time_s if time_s > 0 else None,
-        'examples_per_s': len(rows) / time_s if time_s > 0 else None,
-        'mean_output_tokens': tokens / len(rows) if rows else None,
-        'target_calls': calls,
-        'tokens_per_target_call': tokens / calls if calls else None,
-        'stop_reasons': _count(r['stop_reason'] for r in rows),
-    }
-    if method == 'speculative':
-      beta_count = sum(r['beta_count'] for r in rows)
-      entry['alpha'] = sum(r['beta_sum'] for r in rows) / beta_count if beta_count else None
-      entry['accepted_tokens'] = sum(r['accepted'] for r in rows)
-      entry['gamma_histogram'] = _gamma_histogram(decoded, method)
-    if with_refs and reference_metrics:
-      scores, score_notes = _reference_scores([r[method]['output'] for r in with_refs],
-                                              [r['reference'] for r in with_refs],
-                                              reference_metrics)
-      entry.update(scores)
-      notes += [n for n in score_notes if n not in notes]
-    metrics[method] = entry
-
+    metrics[method] = _method_entry(method, decoded, with_refs, reference_metrics, notes)
   if 'speculative' in methods:
-    spec = metrics['speculative']
-    alpha = spec['alpha']
-    metrics['alpha'] = alpha
-    metrics['tokens_per_target_call'] = spec['tokens_per_target_call']
-    metrics['gamma_histogram'] = spec['gamma_histogram']
-    fixed = isinstance(gamma, int)
-    metrics['expected_tokens_per_iteration'] = (
-        None if alpha is None or not fixed
-        else float(theory.expected_tokens_per_iteration(alpha, gamma)))
-    if tree is not None:
-      metrics.update(_tree_metrics(decoded, tree, cost))
-    elif cost is not None and not fixed:
-      metrics['c'] = cost['c']
-      metrics['r_by_gamma'] = cost['r_by_gamma']
-      metrics['cost_measurement'] = cost
-      notes.append('γ was chosen every round (adaptive): the fixed-γ Theorem 3.8 predictions'
-                   ' do not apply; gamma_histogram counts the rounds by tokens drafted.')
-      if cost.get('never_drafts'):
-        notes.append(f"At the prior α {cost['prior_alpha']:g} the adaptive rule chooses γ = 0,"
-                     ' so no round drafts: the baseline loop decoded (a higher'
-                     ' run_job.prior_alpha makes the batch try drafting).')
-    elif cost is not None:
-      metrics['c'] = cost['c']
-      metrics['r'] = cost['r']
-      metrics['cost_measurement'] = cost
-      metrics['predicted_speedup_theorem_3_8'] = _predicted_speedup(alpha, gamma, cost['c'])
-      metrics['predicted_speedup_with_r'] = _predicted_speedup(alpha, gamma, cost['c'],
-                                                                cost['r'])
-      metrics['predicted_speedup_per_batch'] = _predicted_speedup_per_batch(decoded, gamma,
-                                                                            cost)
-    else:
-      metrics['c'] = None
-      metrics['predicted_speedup_theorem_3_8'] = None
-      notes.append('c was not measured (run_job.measure_cost = False), so there is no Theorem'
-                   ' 3.8 prediction; (1 − α^(γ+1)) / ((1 − α)(γc + 1)) gives it for any c.')
+    _add_speculative_summary(metrics, decoded, gamma=gamma, tree=tree, cost=cost, notes=notes)
   if mode == 'compare':
-    base, spec = metrics['baseline'], metrics['speculative']
-    metrics['speedup'] = (base['decode_time_s'] / spec['decode_time_s']
-                          if spec['decode_time_s'] > 0 else None)
-    metrics['identical_output_rate'] = (
-        sum(1 for r in decoded if r['identical']) / len(decoded) if decoded else None)
-    if not sampling.is_greedy:
-      notes.append('At temperature > 0 both methods sample the same distribution but not the'
-                   ' same random draws, so identical outputs are not expected.')
+    _add_comparison(metrics, decoded, sampling, notes)
   metrics['notes'] = notes
   return metrics
+
+
+def _method_entry(method: str, decoded: list[dict[str, Any]], with_refs: list[dict[str, Any]],
+                  reference_metrics: Sequence[str], notes: list[str]) -> dict[str, Any]:
+  """One method's totals over the decoded records (time, tokens, target calls, stop reasons;
+  α, accepted tokens and the γ histogram for the speculative method; reference scores)."""
+  rows = [r[method] for r in decoded]
+  time_s = sum(r['time_s'] for r in rows)
+  tokens = sum(r['num_tokens'] for r in rows)
+  calls = sum(r['target_calls'] for r in rows)
+  entry = {
+      'decode_time_s': time_s, 'tokens': tokens,
+      'tokens_per_s': tokens / time_s if time_s > 0 else None,
+      'examples_per_s': len(rows) / time_s if time_s > 0 else None,
+      'mean_output_tokens': tokens / len(rows) if rows else None,
+      'target_calls': calls,
+      'tokens_per_target_call': tokens / calls if calls else None,
+      'stop_reasons': _count(r['stop_reason'] for r in rows),
+  }
+  if method == 'speculative':
+    beta_count = sum(r['beta_count'] for r in rows)
+    entry['alpha'] = sum(r['beta_sum'] for r in rows) / beta_count if beta_count else None
+    entry['accepted_tokens'] = sum(r['accepted'] for r in rows)
+    entry['gamma_histogram'] = _gamma_histogram(decoded, method)
+  if with_refs and reference_metrics:
+    scores, score_notes = _reference_scores([r[method]['output'] for r in with_refs],
+                                            [r['reference'] for r in with_refs],
+                                            reference_metrics)
+    entry.update(scores)
+    notes += [n for n in score_notes if n not in notes]
+  return entry
+
+
+def _add_speculative_summary(metrics: dict[str, Any], decoded: list[dict[str, Any]], *,
+                             gamma, tree, cost, notes: list[str]) -> None:
+  """α, tokens per call and the γ histogram at the top level, with Theorem 3.8's predictions
+  (Eq. 1 for E[tokens per iteration]; the walltime factor with c, and r when measured), the
+  adaptive rule's costs, or a token tree's per-rank rates."""
+  spec = metrics['speculative']
+  alpha = spec['alpha']
+  metrics['alpha'] = alpha
+  metrics['tokens_per_target_call'] = spec['tokens_per_target_call']
+  metrics['gamma_histogram'] = spec['gamma_histogram']
+  fixed = isinstance(gamma, int)
+  metrics['expected_tokens_per_iteration'] = (
+      None if alpha is None or not fixed
+      else float(theory.expected_tokens_per_iteration(alpha, gamma)))
+  if tree is not None:
+    metrics.update(_tree_metrics(decoded, tree, cost))
+  elif cost is not None and not fixed:
+    metrics['c'] = cost['c']
+    metrics['r_by_gamma'] = cost['r_by_gamma']
+    metrics['cost_measurement'] = cost
+    notes.append('γ was chosen every round (adaptive): the fixed-γ Theorem 3.8 predictions'
+                 ' do not apply; gamma_histogram counts the rounds by tokens drafted.')
+    if cost.get('never_drafts'):
+      notes.append(f"At the prior α {cost['prior_alpha']:g} the adaptive rule chooses γ = 0,"
+                   ' so no round drafts: the baseline loop decoded (a higher'
+                   ' run_job.prior_alpha makes the batch try drafting).')
+  elif cost is not None:
+    metrics['c'] = cost['c']
+    metrics['r'] = cost['r']
+    metrics['cost_measurement'] = cost
+    metrics['predicted_speedup_theorem_3_8'] = _predicted_speedup(alpha, gamma, cost['c'])
+    metrics['predicted_speedup_with_r'] = _predicted_speedup(alpha, gamma, cost['c'],
+                                                              cost['r'])
+    metrics['predicted_speedup_per_batch'] = _predicted_speedup_per_batch(decoded, gamma,
+                                                                          cost)
+  else:
+    metrics['c'] = None
+    metrics['predicted_speedup_theorem_3_8'] = None
+    notes.append('c was not measured (run_job.measure_cost = False), so there is no Theorem'
+                 ' 3.8 prediction; (1 − α^(γ+1)) / ((1 − α)(γc + 1)) gives it for any c.')
+
+
+def _add_comparison(metrics: dict[str, Any], decoded: list[dict[str, Any]],
+                    sampling: sampling_lib.SamplingConfig, notes: list[str]) -> None:
+  """Compare mode: the measured speedup (baseline time / speculative time) and the rate of
+  identical outputs (1.0 at temperature 0)."""
+  base, spec = metrics['baseline'], metrics['speculative']
+  metrics['speedup'] = (base['decode_time_s'] / spec['decode_time_s']
+                        if spec['decode_time_s'] > 0 else None)
+  metrics['identical_output_rate'] = (
+      sum(1 for r in decoded if r['identical']) / len(decoded) if decoded else None)
+  if not sampling.is_greedy:
+    notes.append('At temperature > 0 both methods sample the same distribution but not the'
+                 ' same random draws, so identical outputs are not expected.')
 
 
 def _tree_metrics(decoded: list[dict[str, Any]], tree, cost) -> dict[str, Any]:
