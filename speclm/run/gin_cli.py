@@ -5,6 +5,12 @@ T5X keeps the same apart in `t5x/gin_utils.py`: `--gin.NAME=VALUE` rewriting, th
 errors that say what to change (unknown bindings with the nearest name, required settings,
 macros set on the command line that nothing uses), a warning for local files that shadow the
 repository's, and the checkpoint paths of the job's models checked before anything loads.
+
+Gin is read through its public API (`gin.get_bindings`, `gin.query_parameter`,
+`gin.get_configurable`, `gin.config_parser`, `ConfigurableReference.scopes`/`.selector`), save
+for `_gin_state`, the one function that lists every binding and registered name (gin has no
+public API for either). Errors are worked out from the bindings the user wrote and the
+configurables' signatures, not from gin's error text.
 """
 
 from __future__ import annotations
