@@ -190,7 +190,12 @@ def _explain_gin_error(error: Exception, gin_files: Sequence[str],
   """The message for an error gin raised while parsing `gin_files` then `gin_bindings`."""
   text = str(error).strip()
   first = text.splitlines()[0] if text else type(error).__name__
-  unknown = _unknown_binding(gin_files, gin_bindings) if isinstance(error, ValueError) else None
+  unknown = None
+  if isinstance(error, ValueError):
+    try:
+      unknown = _unknown_binding(gin_files, gin_bindings)
+    except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
+      pass  # text past gin's error that does not parse: gin's own message is kept
   if unknown is not None:
     selector, param, location = unknown
     if param is None:
