@@ -116,11 +116,9 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def _distributed_initialized() -> bool:
-  try:
-    from jax._src import distributed  # pylint: disable=g-import-not-at-top
-    return distributed.global_state.client is not None
-  except (ImportError, AttributeError):
-    return False
+  """Whether `jax.distributed.initialize` has run (False on a jax without the query)."""
+  is_initialized = getattr(jax.distributed, 'is_initialized', None)
+  return bool(is_initialized is not None and is_initialized())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _interactive(stream) -> bool:
 class _LineTqdm(tqdm.tqdm):
   """tqdm that prints each refresh as a whole line, for logs and CI (no '\\r' redraws)."""
 
-  _line_n = None  # the count shown by the last printed line
+  line_n = None  # the count shown by the last printed line
 
   def display(self, msg=None, pos=None):
     del pos
@@ -42,13 +42,13 @@ class _LineTqdm(tqdm.tqdm):
       return False
     self.fp.write(msg + '\n')
     self.fp.flush()
-    self._line_n = self.n
+    self.line_n = self.n
     return True
 
   def close(self):
     if self.disable:
       return
-    if self._line_n != self.n:
+    if self.line_n != self.n:
       self.refresh()  # a last line with the final count, unless it is already printed
     self.leave = False  # tqdm's own final redraw would repeat that line
     super().close()
@@ -96,7 +96,7 @@ class Progress:
     self._set_postfix()
     printed = self._bar.update(n_examples)
     if (not printed and not self._tty and self.enabled and self.done >= self.total
-        and self._bar._line_n != self.done):  # pylint: disable=protected-access
+        and self._bar.line_n != self.done):
       self._bar.refresh()  # logs always get the line that says it is finished
 
   def close(self) -> None:

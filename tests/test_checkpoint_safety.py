@@ -18,6 +18,7 @@ from speclm import partitioning
 from speclm.checkpoints import sharded
 from speclm.checkpoints import t5x
 from speclm.checkpoints import validate
+from speclm.checkpoints import zarr_v2
 from speclm.models import t5
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,13 +65,13 @@ def legacy(tmp_path, monkeypatch):
   _copy(ZARR_CHECKPOINT / 'state.param_states.kernel', outside / 'kernel')
   _copy(ZARR_CHECKPOINT / 'state.param_states.bias', outside / 'bias')
   reads = []
-  real = t5x._read_zarr_numpy  # pylint: disable=protected-access
+  real = zarr_v2.read_numpy
 
   def recording(array_dir, *args):
     reads.append(str(array_dir))
     return real(array_dir, *args)
 
-  monkeypatch.setattr(t5x, '_read_zarr_numpy', recording)
+  monkeypatch.setattr(zarr_v2, 'read_numpy', recording)
   return checkpoint, outside, reads
 
 

@@ -405,9 +405,8 @@ def to_transformers(model: protocol.Model, model_class=None):
   import transformers  # pylint: disable=import-outside-toplevel
   config = model.definition.config
   model_class = model_class or getattr(transformers, _HF_CLASSES[config.family])
-  hf_config = model_class.config_class(**config_to_hf(config))
-  if config.family in ('gemma2', 'gemma3'):
-    hf_config._attn_implementation = 'eager'  # pylint: disable=protected-access  # soft-capping
+  eager = {'attn_implementation': 'eager'} if config.family in ('gemma2', 'gemma3') else {}
+  hf_config = model_class.config_class(**config_to_hf(config), **eager)  # eager: soft-capping
   hf_model = model_class(hf_config)
   weights = {k: torch.from_numpy(np.array(v)) for k, v in params_to_hf(model.params, config).items()}
   missing, unexpected = hf_model.load_state_dict(weights, strict=False)

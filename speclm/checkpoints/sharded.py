@@ -63,7 +63,7 @@ def array_from_reader(shape, dtype, sharding: jax.sharding.Sharding,
                                   f' {want}.')
       if read_log is not None:
         read_log.append((name, arr.shape))
-      cache[key] = t5x._cast(arr, dtype)  # pylint: disable=protected-access
+      cache[key] = t5x.cast_array(arr, dtype)
     return cache[key]
 
   return jax.make_array_from_callback(shape, sharding, callback)
@@ -71,19 +71,6 @@ def array_from_reader(shape, dtype, sharding: jax.sharding.Sharding,
 
 # ----------------------------------------------------------------------------------------------
 # T5X legacy checkpoints (msgpack + zarr through TensorStore)
-
-
-def _open_zarr(spec: dict, base_dir: str, name: str, source: str):
-  """A TensorStore handle on the zarr array `spec` points at (inside `base_dir` only)."""
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  where = t5x._array_location(spec, base_dir, name, source)  # pylint: disable=protected-access
-  if not t5x._is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):  # pylint: disable=protected-access
-    return None  # no .zarray (copied without hidden files): read whole with the numpy reader
-  try:
-    return ts.open({'driver': 'zarr', 'kvstore': t5x._kvstore_spec(where)},  # pylint: disable=protected-access
-                   open=True, read=True).result()
-  except Exception as e:  # pylint: disable=broad-except
-    raise t5x.CheckpointError(f'Cannot open zarr array {name} at {where}: {e}') from e
 
 
 def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str = 'target',
@@ -94,34 +81,28 @@ def load_t5x_sharded(path: str | os.PathLike, definition, partitioner, role: str
   config's `param_dtype`.
   """
   expected = definition.param_shapes()
-  msgpack_path, base_dir = t5x._checkpoint_file(os.fspath(path))  # pylint: disable=protected-access
-  state = t5x._parse_msgpack(t5x._read_bytes(msgpack_path), msgpack_path)  # pylint: disable=protected-access
-  flat = t5x._flatten(t5x._target(state, msgpack_path))  # pylint: disable=protected-access
-  prefix = t5x._target_prefix(state)  # pylint: disable=protected-access
+  target = t5x.open_t5x_target(path)
   flat_expected = trees.flatten(expected)
-  t5x._check_names(flat_expected, flat, msgpack_path)  # pylint: disable=protected-access
-  for name, leaf in flat.items():  # every zarr path inside the directory, before any read
-    if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
-      t5x._array_location(leaf, base_dir, f'{prefix}/{name}', msgpack_path)  # pylint: disable=protected-access
+  target.check_names(flat_expected)
+  target.check_locations()  # every zarr path inside the directory, before any read
   shardings = trees.flatten(partitioner.param_shardings(definition, expected, role))
   out = {}
-  for name, leaf in flat.items():
+  for name in target.leaves:
     want = flat_expected[name]
-    if t5x._is_ts_spec(leaf):  # pylint: disable=protected-access
-      t5x._check_shape(name, t5x._spec_shape(leaf, name, msgpack_path), want.shape,  # pylint: disable=protected-access
-                       msgpack_path)
-      store = _open_zarr(leaf, base_dir, f'{prefix}/{name}', msgpack_path)
-      if store is None:
-        whole = t5x._read_zarr(leaf, base_dir, f'{prefix}/{name}', msgpack_path)  # pylint: disable=protected-access
+    if target.is_zarr(name):
+      target.check_shape(name, target.stored_shape(name), want.shape)
+      store = target.open_zarr(name)
+      if store is None:  # no .zarray (copied without hidden files): read whole with numpy
+        whole = target.read(name)
         read = lambda index, whole=whole: whole[index]
       else:
         read = lambda index, store=store: store[index].read().result()
     else:
-      whole = t5x._decode_leaf(leaf, name, msgpack_path)  # pylint: disable=protected-access
-      t5x._check_shape(name, whole.shape, want.shape, msgpack_path)  # pylint: disable=protected-access
+      whole = target.read(name)
+      target.check_shape(name, whole.shape, want.shape)
       read = lambda index, whole=whole: whole[index]
     out[name] = array_from_reader(want.shape, want.dtype, shardings[name], read, name, read_log)
-  validate.check_finite(out, msgpack_path, role=role)
+  validate.check_finite(out, target.source, role=role)
   return trees.unflatten(out)
 
 

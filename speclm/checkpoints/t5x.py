@@ -19,6 +19,9 @@ latter through TensorStore's GCS kvstore, with the usual Google credentials).
 
 Public functions:
   load_t5x_checkpoint(path, expected=None, dtype=None) -> nested dict of numpy arrays
+  open_t5x_target(path) -> T5XTarget: the parameters indexed by name, read one at a time
+                           (checks, whole reads, TensorStore handles for region reads)
+  cast_array(arr, dtype)                               -> the cast every reader applies
   save_t5x_checkpoint(directory, params, step=0)       -> writes the legacy format
   load_orbax_checkpoint(path, expected=None, dtype=None)
   load_checkpoint(path, …)                             -> detects legacy vs Orbax
@@ -27,11 +30,10 @@ Public functions:
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
+import dataclasses
 import os
 import posixpath
 import re
-import zlib
 from typing import Any, Mapping
 
 import jax
@@ -40,6 +42,7 @@ import msgpack
 import numpy as np
 
 from speclm import trees
+from speclm.checkpoints import zarr_v2
 from speclm.checkpoints.validate import CheckpointError
 from speclm.checkpoints.validate import check_finite
 
@@ -220,13 +223,6 @@ def _flatten(tree: dict) -> dict[str, Any]:
 # zarr arrays
 
 
-_ZARR_DTYPES = {'bfloat16': np.dtype(ml_dtypes.bfloat16)}
-
-
-def _zarr_dtype(name: str) -> np.dtype:
-  return _ZARR_DTYPES.get(name) or np.dtype(name)
-
-
 def _spec_shape(spec: dict, name: str, source: str) -> tuple[int, ...]:
   try:
     return tuple(int(d) for d in spec['metadata']['shape'])
@@ -240,56 +236,6 @@ def _relative_path(spec: dict) -> str:
   if isinstance(kvstore, dict) and 'path' in kvstore:
     return kvstore['path']
   return spec['path']  # tensorstore < 0.1.14 wrote the path at the top level
-
-
-def _local_zarr_metadata(array_dir: str, spec: dict) -> dict:
-  zarray = os.path.join(array_dir, '.zarray')
-  if os.path.isfile(zarray):
-    import json  # pylint: disable=g-import-not-at-top
-    with open(zarray) as f:
-      return json.load(f)
-  return dict(spec.get('metadata', {}))
-
-
-def _chunk_keys(shape, chunks, separator: str) -> list[str]:
-  grid = [max(1, -(-s // c)) for s, c in zip(shape, chunks)]
-  if not grid:
-    return ['0']
-  return [separator.join(str(i) for i in idx) for idx in np.ndindex(*grid)]
-
-
-def _read_zarr_numpy(array_dir: str, metadata: dict, dtype: np.dtype, name: str) -> np.ndarray:
-  """Reads a local zarr v2 array without TensorStore (used when `.zarray` is absent, as in
-  checkpoints copied without their hidden files: the msgpack spec carries the metadata)."""
-  shape = tuple(int(d) for d in metadata['shape'])
-  chunks = tuple(int(d) for d in metadata.get('chunks') or shape)
-  compressor = metadata.get('compressor')
-  order = metadata.get('order', 'C')
-  out = np.zeros(shape, dtype)
-  separator = metadata.get('dimension_separator', '.')
-  for key in _chunk_keys(shape, chunks, separator):
-    path = os.path.join(array_dir, key)
-    with open(path, 'rb') as f:
-      raw = f.read()
-    try:
-      if compressor is None:
-        data = raw
-      elif compressor.get('id') == 'gzip':
-        data = gzip.decompress(raw)
-      elif compressor.get('id') == 'zlib':
-        data = zlib.decompress(raw)
-      else:
-        raise CheckpointError(f'{name}: zarr compressor {compressor!r} is not supported without'
-                              f' a .zarray file (TensorStore reads it when present): {array_dir}')
-      chunk = np.frombuffer(data, dtype).reshape(chunks or (), order=order)
-    except CheckpointError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'Corrupt or truncated zarr chunk of {name}: {path} ({e})') from e
-    index = tuple(int(i) for i in key.split(separator)) if shape else ()
-    region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape))
-    out[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
-  return out
 
 
 def _outside(message_rel: str, name: str, source: str) -> CheckpointError:
@@ -361,10 +307,10 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
     if not os.path.isdir(array_dir):
       raise CheckpointError(f'Missing zarr array for {name}: {array_dir} (referenced by'
                             f' {source}).')
-    metadata = _local_zarr_metadata(array_dir, spec)
+    metadata = zarr_v2.local_metadata(array_dir, spec)
     separator = metadata.get('dimension_separator', '.')
     shape = tuple(int(d) for d in metadata['shape'])
-    for key in _chunk_keys(shape, metadata.get('chunks') or shape, separator):
+    for key in zarr_v2.chunk_keys(shape, metadata.get('chunks') or shape, separator):
       if not os.path.isfile(os.path.join(array_dir, key)):
         raise CheckpointError(f'Missing zarr chunk of {name}: {os.path.join(array_dir, key)}')
     if not os.path.isfile(os.path.join(array_dir, '.zarray')):
@@ -372,7 +318,7 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
       if not dtype_name:
         raise CheckpointError(f'Zarr array {name} has neither .zarray nor a dtype in its spec:'
                               f' {array_dir}')
-      return _read_zarr_numpy(array_dir, metadata, _zarr_dtype(dtype_name), name)
+      return zarr_v2.read_numpy(array_dir, metadata, zarr_v2.dtype_of(dtype_name), name)
     kvstore = _kvstore_spec(array_dir)
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   try:
@@ -387,7 +333,13 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
 # Reading
 
 
-def _cast(arr: np.ndarray, dtype) -> np.ndarray:
+def cast_array(arr: np.ndarray, dtype) -> np.ndarray:
+  """`arr` as `dtype` (unchanged when None); a uint16 array read as bfloat16 is reinterpreted.
+
+  Args:
+    arr: an array of any shape, as stored.
+    dtype: the wanted dtype, or None to keep the stored one.
+  """
   if dtype is None:
     return arr
   dtype = np.dtype(dtype)
@@ -428,51 +380,29 @@ def load_t5x_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> d
       arrays are cast to its dtypes unless `dtype` is given.
     dtype: cast every array to this dtype while reading.
   """
-  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
-  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
-  flat = _flatten(_target(state, msgpack_path))
-  prefix = _target_prefix(state)
+  target = open_t5x_target(path)
   flat_expected = _expected_flat(expected)
-  if flat_expected is not None:
-    _check_names(flat_expected, flat, msgpack_path)
-
-  def shape_of(name, leaf):
-    if isinstance(leaf, _Inline):
-      return None  # checked after decoding (cheap)
-    if _is_ts_spec(leaf):
-      return _spec_shape(leaf, name, msgpack_path)
-    if _is_chunked(leaf):
-      return tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
-    return np.shape(leaf)
-
-  if flat_expected is not None:  # fail on a shape mismatch before reading big arrays
-    for name, leaf in flat.items():
-      got = shape_of(name, leaf)
+  if flat_expected is not None:  # names, then shapes, before reading big arrays
+    target.check_names(flat_expected)
+    for name in target.leaves:
+      got = target.stored_shape(name)
       if got is not None:
-        _check_shape(name, got, flat_expected[name].shape, msgpack_path)
-
-  # Every zarr path must stay inside the checkpoint directory: checked before any is read.
-  for name, leaf in flat.items():
-    if _is_ts_spec(leaf):
-      _array_location(leaf, base_dir, f'{prefix}/{name}', msgpack_path)
+        target.check_shape(name, got, flat_expected[name].shape)
+  target.check_locations()  # every zarr path inside the directory, before any is read
   # zarr arrays are read concurrently (I/O bound, and GCS has high latency per request).
   with concurrent.futures.ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-    pending = {name: pool.submit(_read_zarr, leaf, base_dir, f'{prefix}/{name}', msgpack_path)
-               for name, leaf in flat.items() if _is_ts_spec(leaf)}
+    pending = {name: pool.submit(target.read, name)
+               for name in target.leaves if target.is_zarr(name)}
     zarr_arrays = {name: future.result() for name, future in pending.items()}
   out = {}
-  for name, leaf in flat.items():
-    if _is_ts_spec(leaf):
-      arr = zarr_arrays.pop(name)
-    else:
-      arr = _decode_leaf(leaf, name, msgpack_path)
+  for name in target.leaves:
+    arr = zarr_arrays.pop(name) if target.is_zarr(name) else target.read(name)
+    want = dtype
     if flat_expected is not None:
-      _check_shape(name, arr.shape, flat_expected[name].shape, msgpack_path)
+      target.check_shape(name, arr.shape, flat_expected[name].shape)
       want = dtype if dtype is not None else flat_expected[name].dtype
-    else:
-      want = dtype
-    out[name] = _cast(arr, want)
-  check_finite(out, msgpack_path, role=prefix)
+    out[name] = cast_array(arr, want)
+  check_finite(out, target.source, role=target.prefix)
   return trees.unflatten(out)
 
 
@@ -507,6 +437,87 @@ def read_t5x_state(path: str | os.PathLike) -> dict:
     return node
 
   return load(state, '')
+
+
+# ----------------------------------------------------------------------------------------------
+# The parameters one array at a time (what the sharded reader builds on)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5XTarget:
+  """The parameters (`target`) of a legacy checkpoint, indexed by name, no array read yet.
+
+  Attributes:
+    source: the msgpack file, named in every error.
+    base_dir: the directory that relative zarr paths start from (local or gs://).
+    prefix: where the parameters sit in the msgpack, 'target' or 'optimizer/target'.
+    leaves: parameter name ('/'-joined) -> its msgpack leaf (an inline array, a TensorStore
+      spec, a Flax chunked array or a plain value), in file order.
+  """
+  source: str
+  base_dir: str
+  prefix: str
+  leaves: dict[str, Any]
+
+  def check_names(self, flat_expected: Mapping[str, Any]) -> None:
+    """Raises a CheckpointError listing missing and unexpected names against `flat_expected`
+    (name -> array or `jax.ShapeDtypeStruct`)."""
+    _check_names(flat_expected, self.leaves, self.source)
+
+  def check_shape(self, name: str, got, want) -> None:
+    """Raises a CheckpointError if the shape `got` of parameter `name` is not `want`."""
+    _check_shape(name, got, want, self.source)
+
+  def check_locations(self) -> None:
+    """Raises a CheckpointError if any zarr array points outside `base_dir`; reads nothing."""
+    for name, leaf in self.leaves.items():
+      if _is_ts_spec(leaf):
+        _array_location(leaf, self.base_dir, f'{self.prefix}/{name}', self.source)
+
+  def is_zarr(self, name: str) -> bool:
+    """Whether parameter `name` is a zarr array (else it is held in the msgpack itself)."""
+    return _is_ts_spec(self.leaves[name])
+
+  def stored_shape(self, name: str) -> tuple[int, ...] | None:
+    """The shape of parameter `name` read from the msgpack alone; None for an inline array
+    (known once decoded, which is cheap)."""
+    leaf = self.leaves[name]
+    if isinstance(leaf, _Inline):
+      return None
+    if _is_ts_spec(leaf):
+      return _spec_shape(leaf, name, self.source)
+    if _is_chunked(leaf):
+      return tuple(int(leaf['shape'][str(i)]) for i in range(len(leaf['shape'])))
+    return np.shape(leaf)
+
+  def read(self, name: str) -> np.ndarray:
+    """Parameter `name` whole, in its stored dtype (zarr or inline)."""
+    if self.is_zarr(name):
+      return _read_zarr(self.leaves[name], self.base_dir, f'{self.prefix}/{name}', self.source)
+    return _decode_leaf(self.leaves[name], name, self.source)
+
+  def open_zarr(self, name: str):
+    """A TensorStore handle on zarr parameter `name` that reads any region (`store[index]`),
+    or None for a local array without `.zarray` (copied without hidden files: `read` it)."""
+    import tensorstore as ts  # pylint: disable=g-import-not-at-top
+    where = _array_location(self.leaves[name], self.base_dir, f'{self.prefix}/{name}',
+                            self.source)
+    if not _is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):
+      return None
+    try:
+      return ts.open({'driver': 'zarr', 'kvstore': _kvstore_spec(where)},
+                     open=True, read=True).result()
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f'Cannot open zarr array {self.prefix}/{name} at {where}: {e}') from e
+
+
+def open_t5x_target(path: str | os.PathLike) -> T5XTarget:
+  """The parameters of the legacy checkpoint at `path` (a `checkpoint_<step>` directory, local
+  or gs://, or its msgpack file), indexed: only the msgpack file is read."""
+  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
+  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
+  return T5XTarget(msgpack_path, base_dir, _target_prefix(state),
+                   _flatten(_target(state, msgpack_path)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -641,7 +652,7 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
   for name, arr in trees.flatten(restored).items():
     want = dtype if dtype is not None else (
         flat_expected[name].dtype if flat_expected is not None else None)
-    out[name] = _cast(np.asarray(arr), want)
+    out[name] = cast_array(np.asarray(arr), want)
   check_finite(out, path, role='/'.join(prefix) or None)
   return trees.unflatten(out)
 

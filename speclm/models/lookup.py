@@ -95,10 +95,14 @@ class PromptLookup(ngram.HistoryModel):
                     ) -> tuple[jax.Array, jax.Array]:
     """(float32 logits `[B, K, V]` peaked on each proposal, found `[B, K]`)."""
     proposal, found = self.propose(history, positions)
-    return self._peaked(proposal), found
+    return self.peaked(proposal), found
 
-  def _peaked(self, proposal: jax.Array) -> jax.Array:
-    """float32 logits `[..., V]` peaked on each proposal `[...]` (see `confidence`)."""
+  def peaked(self, proposal: jax.Array) -> jax.Array:
+    """float32 logits `[..., V]` peaked on each proposal (see `confidence`).
+
+    Args:
+      proposal: int32 `[...]` proposed tokens (any shape, e.g. `[B, K]`).
+    """
     v = self.vocab_size
     one_hot = jax.nn.one_hot(proposal, v, dtype=jnp.bool_)
     if self.confidence >= 1.0:
@@ -133,7 +137,7 @@ class PromptLookup(ngram.HistoryModel):
     """
     del params
     proposal, found = _propose_per_node(self, cache, tokens, tree)
-    return (jnp.where(found[..., None], self._peaked(proposal), 0.0),
+    return (jnp.where(found[..., None], self.peaked(proposal), 0.0),
             ngram.append_tokens(cache, tokens))
 
   def validate_params(self, params) -> None:
@@ -265,7 +269,7 @@ class LookupFirst(protocol.LanguageModel):
       is_proposal = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
       peaked = jnp.where(is_proposal, 0.0, below)
     else:
-      peaked = self.lookup._peaked(proposal)  # pylint: disable=protected-access
+      peaked = self.lookup.peaked(proposal)
     return (jnp.where(found[..., None], peaked, logits),
             LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
 

@@ -27,10 +27,10 @@ import hashlib
 import os
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 
+from speclm.run.gin_cli import all_bindings
 from speclm.run.gin_cli import resolve_macros
 
 VERSION = 2
@@ -82,7 +82,7 @@ def _short_name(selector: str) -> str:
 def gin_entries() -> dict[str, Any]:
   """Every parsed binding that can change an output, macros substituted: `gin.NAME` -> value."""
   entries = {}
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in all_bindings().items():
     if selector == 'gin.macro' or selector.startswith(_IGNORED_MODULES):
       continue
     name = _short_name(selector)

@@ -5,16 +5,23 @@ T5X keeps the same apart in `t5x/gin_utils.py`: `--gin.NAME=VALUE` rewriting, th
 errors that say what to change (unknown bindings with the nearest name, required settings,
 macros set on the command line that nothing uses), a warning for local files that shadow the
 repository's, and the checkpoint paths of the job's models checked before anything loads.
+
+Gin is read through its public API (`gin.get_bindings`, `gin.query_parameter`,
+`gin.get_configurable`, `gin.config_parser`, `ConfigurableReference.scopes`/`.selector`), save
+for `_gin_state`, the one function that lists every binding and registered name (gin has no
+public API for either). Errors are worked out from the bindings the user wrote and the
+configurables' signatures, not from gin's error text.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging as std_logging
 import os
 import re
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import gin
 
@@ -50,33 +57,158 @@ def search_paths(extra: Sequence[str] = ()) -> list[str]:
   return unique
 
 
-def _configurable_names() -> list[str]:
+# ----------------------------------------------------------------------------------------------
+# The configuration as gin holds it
+
+
+def _gin_state() -> tuple[Mapping[tuple[str, str], Mapping[str, Any]], list[str]]:
+  """(every binding, every registered selector): the one read of gin's private state.
+
+  gin 0.5 has no public API that lists all bindings (`gin.config_str()` renders text and drops
+  values that are not literals; `gin.get_bindings` and `gin.query_parameter` need a name
+  first) nor one that lists the registered configurables (`gin.get_configurable` looks one
+  name up). Everything else here goes through gin's public API.
+  """
+  config = gin.config._CONFIG  # pylint: disable=protected-access
   registry = gin.config._REGISTRY  # pylint: disable=protected-access
+  return config, [selector for selector, _ in registry.items()]
+
+
+def all_bindings() -> Mapping[tuple[str, str], Mapping[str, Any]]:
+  """Every binding parsed so far, read only: (scope, selector) -> {parameter: value}.
+
+  A macro `NAME = v` is (NAME, 'gin.macro') -> {'value': v}; values keep their references
+  (`gin.config.ConfigurableReference`) unevaluated.
+  """
+  return _gin_state()[0]
+
+
+def _configurable_names() -> list[str]:
   names = set()
-  for selector, _ in registry.items():
+  for selector in _gin_state()[1]:
     names.add(selector)
     names.add(selector.rsplit('.', 1)[-1])
   return sorted(names)
 
 
-def _explain_gin_error(error: Exception) -> str:
+def _is_registered(selector: str) -> bool:
+  try:
+    gin.get_configurable(selector)
+  except ValueError:
+    return False
+  return True
+
+
+def _parameters(selector: str) -> Mapping[str, inspect.Parameter]:
+  """The parameters of configurable `selector` (a class: its constructor's but `self`, as gin
+  reads them: the first `__init__` or `__new__` along the method resolution order)."""
+  fn = gin.get_configurable(selector)
+  if not inspect.isclass(fn):
+    return inspect.signature(inspect.unwrap(fn)).parameters
+  fn = next(vars(k)[m] for k in fn.__mro__ for m in ('__init__', '__new__') if m in vars(k))
+  return dict(list(inspect.signature(inspect.unwrap(fn)).parameters.items())[1:])  # no self
+
+
+def _takes(selector: str, param: str) -> bool:
+  """Whether configurable `selector` accepts `param` (by name, or through **kwargs)."""
+  try:
+    params = _parameters(selector)
+  except (TypeError, ValueError):
+    return True
+  return param in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors that say what to change
+
+
+class _Names(gin.config_parser.ParserDelegate):
+  """Parses values without building anything, noting references to unknown configurables."""
+
+  def __init__(self):
+    self.unknown_reference = False
+
+  def configurable_reference(self, scoped_configurable_name, evaluate):
+    if not _is_registered(scoped_configurable_name.split('/')[-1]):
+      self.unknown_reference = True
+    return scoped_configurable_name
+
+  def macro(self, macro_name):
+    return macro_name
+
+
+def _where(location) -> str:
+  """'In file "x.gin", line 3 a.b = 1' or 'In bindings string line 1 a.b = 1'."""
+  source = f'file "{location.filename}",' if location.filename else 'bindings string'
+  return f'In {source} line {location.line_num} {location.line_content.strip()}'
+
+
+def _first_unknown(source, names: _Names, seen: set[str]):
+  """(selector, parameter or None, location) of the first statement of `source` (gin text,
+  includes followed) that names an unknown configurable or parameter; None if there is none
+  or an unknown reference comes first (then gin's own message is kept)."""
+  for statement in gin.config_parser.ConfigParser(source, names):
+    if names.unknown_reference:
+      return None
+    if isinstance(statement, gin.config_parser.IncludeStatement):
+      path = _resolve_gin_file(statement.filename)
+      if path is None or os.path.realpath(path) in seen:
+        continue
+      seen.add(os.path.realpath(path))
+      with open(path, encoding='utf-8') as f:
+        found = _first_unknown(f, names, seen)
+      if found is not None or names.unknown_reference:
+        return found
+    elif isinstance(statement, gin.config_parser.BlockDeclaration):
+      if not _is_registered(statement.selector):
+        return statement.selector, None, statement.location
+    elif isinstance(statement, gin.config_parser.BindingStatement) and statement.arg_name:
+      if not _is_registered(statement.selector):
+        return statement.selector, None, statement.location
+      if not _takes(statement.selector, statement.arg_name):
+        return statement.selector, statement.arg_name, statement.location
+  return None
+
+
+def _unknown_binding(gin_files: Sequence[str], gin_bindings: Sequence[str]):
+  """The first binding, in gin's order (files with their includes, then bindings), that names
+  an unknown configurable or parameter: (selector, parameter or None, location), or None."""
+  names = _Names()
+  for name in gin_files:
+    path = _resolve_gin_file(name)
+    if path is None:
+      return None
+    with open(path, encoding='utf-8') as f:
+      found = _first_unknown(f, names, {os.path.realpath(path)})
+    if found is not None or names.unknown_reference:
+      return found
+  return _first_unknown('\n'.join(gin_bindings), names, set())
+
+
+def _explain_gin_error(error: Exception, gin_files: Sequence[str],
+                       gin_bindings: Sequence[str]) -> str:
+  """The message for an error gin raised while parsing `gin_files` then `gin_bindings`."""
   text = str(error).strip()
   first = text.splitlines()[0] if text else type(error).__name__
-  where = ' '.join(line.strip() for line in text.splitlines()[1:3])
-  match = re.search(r"No configurable matching '([^']+)'", text)
-  if match:
-    name = match.group(1).split('/')[-1]
-    close = difflib.get_close_matches(name.rsplit('.', 1)[-1], _configurable_names(), n=3)
-    hint = f' Did you mean {", ".join(close)}?' if close else ''
-    return (f'Unknown gin binding: nothing is registered under the name {name!r} ({where}).'
-            f'{hint} Check the spelling in the gin file or --gin flag.')
-  match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
-  if match:
-    return (f'Unknown gin binding: {match.group(1)} has no parameter {match.group(2)!r}'
-            f' ({where}). Check the spelling in the gin file or --gin flag.')
-  if 'Unable to open file' in text or isinstance(error, (IOError, OSError)):
+  unknown = None
+  if isinstance(error, ValueError):
+    try:
+      unknown = _unknown_binding(gin_files, gin_bindings)
+    except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
+      pass  # text past gin's error that does not parse: gin's own message is kept
+  if unknown is not None:
+    selector, param, location = unknown
+    if param is None:
+      close = difflib.get_close_matches(selector.rsplit('.', 1)[-1], _configurable_names(), n=3)
+      hint = f' Did you mean {", ".join(close)}?' if close else ''
+      return (f'Unknown gin binding: nothing is registered under the name {selector!r}'
+              f' ({_where(location)}).{hint} Check the spelling in the gin file or --gin flag.')
+    return (f'Unknown gin binding: {selector} has no parameter {param!r}'
+            f' ({_where(location)}). Check the spelling in the gin file or --gin flag.')
+  if isinstance(error, (IOError, OSError)):
     return (f'Gin file not found: {first} Pass the file by path, or add its directory with'
             ' --gin_search_paths.')
+  where = ' '.join(line.strip() for line in text.splitlines()[1:3])  # gin's location lines
   return (f'Could not parse the gin configuration: {first} {where} Strings on the command'
           ' line need quotes inside the flag, e.g. --gin.OUTPUT_DIR="\'/tmp/out\'".')
 
@@ -88,7 +220,7 @@ def _is_required(value: Any) -> bool:
 def unset_required() -> list[str]:
   """Macros and bindings still set to `%gin.REQUIRED` after all files and flags are parsed."""
   missing = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in all_bindings().items():
     for param, value in params.items():
       if _is_required(value):
         if selector == 'gin.macro':
@@ -106,14 +238,47 @@ def _required_message(names: Sequence[str]) -> str:
           f' the command line: {examples} (strings in quotes: --gin.{names[0]}="\'value\'").')
 
 
+def unbound_parameters(scopes: Sequence[str], selector: str,
+                       default: Any = gin.REQUIRED) -> list[str]:
+  """The parameters of configurable `selector` whose default is `default` (`gin.REQUIRED`, or
+  `inspect.Parameter.empty`: none) and that no binding sets under `scopes`, in signature
+  order; *args and **kwargs never count."""
+  try:
+    params = _parameters(selector)
+    bound = gin.get_bindings('/'.join([*scopes, selector]), resolve_references=False)
+  except (TypeError, ValueError):
+    return []
+  return [name for name, p in params.items() if p.default is default and name not in bound
+          and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def reference_to(fn: Any) -> Any:
+  """The `gin.config.ConfigurableReference` of the bindings that gave `fn` (a configurable
+  that gin passed as an argument, e.g. a provider `@target/random_llama`), or None."""
+  for params in all_bindings().values():
+    for ref in gin.config.iterate_references(params):
+      if ref.scoped_configurable_fn is fn:
+        return ref
+  return None
+
+
 def required_call_error(error: Exception) -> str | None:
-  match = re.search(r"Required bindings for `([^`]+)` not provided in config: \[([^\]]*)\]",
-                    str(error))
-  if not match:
+  """The message for gin's RuntimeError on calling a configurable whose `gin.REQUIRED`
+  parameters are unbound, naming them (found from the bindings and signatures); None for
+  any other error."""
+  if not isinstance(error, RuntimeError) or 'Required bindings' not in str(error):
     return None
-  configurable = match.group(1).rsplit('.', 1)[-1]
-  names = [f'{configurable}.{p.strip().strip(chr(39))}' for p in match.group(2).split(',')]
-  return _required_message(names)
+  called = list(all_bindings())
+  for params in all_bindings().values():
+    called += [('/'.join(ref.scopes), ref.configurable.selector)
+               for ref in gin.config.iterate_references(params)]
+  names = []
+  for scope, selector in dict.fromkeys(called):
+    short = selector.rsplit('.', 1)[-1]
+    scopes = scope.split('/') if scope else []
+    names += [f'{short}.{param}' for param in unbound_parameters(scopes, selector)
+              if f'{short}.{param}' not in names]
+  return _required_message(names) if names else None
 
 
 def warn(message: str) -> None:
@@ -124,9 +289,13 @@ def warn(message: str) -> None:
 _INCLUDE = re.compile(r"""^\s*include\s+(['"])(.+?)\1""", re.MULTILINE)
 
 
+# Gin's search path as parse_gin gave it (gin starts from '' and only ever appends).
+_SEARCH_PREFIXES = ['']
+
+
 def _resolve_gin_file(name: str) -> str | None:
   """The file gin opens for `name`: the first search-path entry that has it."""
-  prefixes = gin.config._LOCATION_PREFIXES if not os.path.isabs(name) else ['']  # pylint: disable=protected-access
+  prefixes = _SEARCH_PREFIXES if not os.path.isabs(name) else ['']
   for prefix in prefixes:
     candidate = os.path.join(prefix, name)
     if os.path.isfile(candidate):
@@ -158,8 +327,8 @@ def shadowed_configs(gin_files: Sequence[str]) -> list[tuple[str, str]]:
 
 def _walk_references(value: Any, found: set[str]) -> None:
   if isinstance(value, gin.config.ConfigurableReference):
-    if value._selector == 'gin.macro':  # pylint: disable=protected-access
-      found.add(value._scopes[-1])  # pylint: disable=protected-access
+    if value.selector == 'gin.macro':
+      found.add(value.scopes[-1])
   elif isinstance(value, (list, tuple)):
     for item in value:
       _walk_references(item, found)
@@ -170,7 +339,7 @@ def _walk_references(value: Any, found: set[str]) -> None:
 
 def unused_macros() -> tuple[list[str], list[str]]:
   """(macros nothing references, macros something references), after parsing."""
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = all_bindings()
   defined = {scope for scope, selector in config if selector == 'gin.macro'}
   used: set[str] = set()
   for params in config.values():
@@ -204,6 +373,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
   gin.clear_config()  # a fresh configuration each time (tools and tests parse more than once)
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
+    _SEARCH_PREFIXES.append(path)
   for local, ours in shadowed_configs(gin_files):
     warn(f'{local} shadows the repository\'s {os.path.relpath(ours, os.path.dirname(CONFIGS_DIR))}'
          ' (the search path finds it first); rename it to use the repository\'s file.')
@@ -214,7 +384,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
     gin.parse_config_files_and_bindings(list(gin_files), list(gin_bindings),
                                         finalize_config=False)
   except (ValueError, IOError, OSError, SyntaxError, TypeError) as e:
-    raise JobError(_explain_gin_error(e)) from None
+    raise JobError(_explain_gin_error(e, gin_files, gin_bindings)) from None
   finally:
     std_logging.disable(std_logging.NOTSET)
   missing = unset_required()
@@ -229,13 +399,15 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
 
 
 def _macro_value(reference) -> Any:
-  scope = reference._scopes[-1]  # pylint: disable=protected-access
-  return gin.config._CONFIG.get((scope, 'gin.macro'), {}).get('value')  # pylint: disable=protected-access
+  try:
+    return gin.query_parameter(f'{reference.scopes[-1]}/gin.macro.value')
+  except ValueError:  # an unset macro
+    return None
 
 
 def _is_macro(value: Any) -> bool:
-  return (isinstance(value, gin.config.ConfigurableReference)
-          and value._selector == 'gin.macro')  # pylint: disable=protected-access
+  return isinstance(value, gin.config.ConfigurableReference) and value.selector == 'gin.macro'
+
 
 
 def resolve_macros(value: Any, depth: int = 0) -> Any:
@@ -254,13 +426,8 @@ def resolve_macros(value: Any, depth: int = 0) -> Any:
 def _binding(scopes: Sequence[str], selector: str, param: str) -> Any:
   """The value gin binds to `param` of `selector` under `scopes` (innermost first), with
   macros resolved; None when unbound."""
-  config = gin.config._CONFIG  # pylint: disable=protected-access
-  for depth in range(len(scopes), -1, -1):
-    scope = '/'.join(scopes[:depth])
-    params = config.get((scope, selector), {})
-    if param in params:
-      return resolve_macros(params[param])
-  return None
+  params = gin.get_bindings('/'.join([*scopes, selector]), resolve_references=False)
+  return resolve_macros(params[param]) if param in params else None
 
 
 # Model-provider parameters that name a checkpoint path, checked before anything loads.
@@ -273,14 +440,13 @@ def check_model_paths() -> None:
   Providers check their own paths too; this runs first so that a missing checkpoint is the
   first thing reported, before the vocabulary or dataset load.
   """
-  config = gin.config._CONFIG  # pylint: disable=protected-access
-  job = next((params for (scope, selector), params in config.items()
+  job = next((params for (scope, selector), params in all_bindings().items()
               if not scope and selector.rsplit('.', 1)[-1] == 'run_job'), {})
   for role in ('target', 'draft'):
     provider = resolve_macros(job.get(role))
     if not isinstance(provider, gin.config.ConfigurableReference):
       continue
-    scopes, selector = provider._scopes, provider._configurable.selector  # pylint: disable=protected-access
+    scopes, selector = provider.scopes, provider.configurable.selector
     for param in _PATH_PARAMS:
       path = _binding(scopes, selector, param)
       if isinstance(path, str) and path:

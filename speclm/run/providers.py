@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import gin
@@ -434,8 +433,8 @@ def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
     raise JobError(f'{what}: {e.message}') from None
   except (FileNotFoundError, inputs_lib.DataError, ImportError) as e:
     raise JobError(f'{what} failed: {_clean(e)}') from None
-  except TypeError as e:
-    missing = _missing_setting(e)
+  except TypeError:
+    missing = _missing_setting(provider, kwargs)
     if missing is None:
       raise
     raise JobError(f'{what}: {missing} is not set. Set it in a gin file ({missing} = …) or on the'
@@ -447,15 +446,17 @@ def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
   return value
 
 
-def _missing_setting(error: TypeError) -> str | None:
-  """'file_dataset.path' for gin's "missing 1 required positional argument: 'path'"."""
-  text = str(error)
-  missing = re.search(r"missing \d+ required (?:positional |keyword-only )?arguments?: '(\w+)'",
-                      text)
-  where = re.search(r"In call to configurable '(\w+)'", text)
-  if not missing or not where:
+def _missing_setting(provider: Any, kwargs: Mapping[str, Any]) -> str | None:
+  """'file_dataset.path' when the configurable `provider` (as gin passed it) has a parameter
+  without a default that neither a binding nor `kwargs` sets: the TypeError of its call."""
+  reference = gin_cli.reference_to(provider)
+  if reference is None:
     return None
-  return f'{where.group(1)}.{missing.group(1)}'
+  configurable = reference.configurable
+  missing = [name for name in gin_cli.unbound_parameters(reference.scopes, configurable.selector,
+                                                         inspect.Parameter.empty)
+             if name not in kwargs]
+  return f'{configurable.name}.{missing[0]}' if missing else None
 
 
 def _clean(error: BaseException) -> str:
