@@ -50,6 +50,13 @@ ANALYSIS_CLI = 'speclm.analysis.__main__'
 NOT_FOR_ANALYSIS = ('speclm.decoding', 'speclm.tree_decoding', 'speclm.run')
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80  # a function's lines from `def` to its end, its docstring not counted
+# Private names read on purpose, each with its reason. gin 0.5 has no public API that lists every
+# binding or every registered configurable; `gin_cli._gin_state` is the one function reading
+# them (everything else goes through `gin_cli.all_bindings`).
+ALLOWED_PRIVATE = {
+    ('speclm/run/gin_cli.py', 'gin.config._CONFIG'),
+    ('speclm/run/gin_cli.py', 'gin.config._REGISTRY'),
+}
 
 
 def _module_name(root: str, path: str) -> str:
@@ -185,7 +192,8 @@ def private_access_violations(root: str) -> list[str]:
         base = node.value
         while isinstance(base, ast.Attribute):
           base = base.value
-        if isinstance(base, ast.Name) and base.id in imported:
+        if (isinstance(base, ast.Name) and base.id in imported
+            and (where, ast.unparse(node)) not in ALLOWED_PRIVATE):
           problems.append(f'{where}:{node.lineno}: {ast.unparse(node)} reaches into another'
                           ' module\'s private name')
   return problems
