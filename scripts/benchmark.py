@@ -55,7 +55,6 @@ import speclm
 from speclm import sampling as sampling_lib
 from speclm import speculative
 from speclm.analysis import benchmarking
-from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import find
@@ -68,6 +67,7 @@ from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import calibration
 
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Interleaved repetitions of every case.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per row.')
@@ -93,7 +93,7 @@ _ADAPTIVE = flags.DEFINE_bool('adaptive', True, 'Include the adaptive-γ cases.'
 _MAX_GAMMA = flags.DEFINE_integer('max_gamma', 4, 'γ_max of the adaptive cases.')
 _COST_TOKENS = flags.DEFINE_integer(
     'cost_tokens', 32, 'New tokens per timed decode when c and r(γ) are timed for the adaptive'
-    ' cases (`measure.measure_round_costs`); fewer for a smoke run.')
+    ' cases (`calibration.measure_round_costs`); fewer for a smoke run.')
 _COST_REPEATS = flags.DEFINE_integer(
     'cost_repeats', 3, 'Timed repeats when c and r(γ) are timed for the adaptive cases.')
 _DRAFT_STOPPING = flags.DEFINE_bool('draft_stopping', False,
@@ -468,10 +468,10 @@ def main(argv):
   rules = None
   if _ADAPTIVE.value:
     print('timing c and r(γ) for the adaptive cases (cached per machine) …', flush=True)
-    rules = {b: measure.measure_adaptive_gamma(target, draft, max_gamma=_MAX_GAMMA.value,
-                                               batch_size=b, context_length=context,
-                                               draft_stopping=_DRAFT_STOPPING.value,
-                                               num_new_tokens=_COST_TOKENS.value,
+    rules = {b: calibration.measure_adaptive_gamma(target, draft, max_gamma=_MAX_GAMMA.value,
+                                                   batch_size=b, context_length=context,
+                                                   draft_stopping=_DRAFT_STOPPING.value,
+                                                   num_new_tokens=_COST_TOKENS.value,
                                                repeats=_COST_REPEATS.value)
              for b in (1, _BATCH.value)}
 
@@ -526,8 +526,8 @@ def main(argv):
       alphas[(case.batch_size, case.temperature)] = dict(
           alpha=case.pooled_alpha(), tokens_per_call=case.tokens_per_target_call(),
           row_alphas=[row_alphas(s) for s in case.stats])
-  costs = {b: measure.measure_costs(target, draft, gamma=_gamma(b), batch_size=b,
-                                    context_length=context)
+  costs = {b: calibration.measure_costs(target, draft, gamma=_gamma(b), batch_size=b,
+                                        context_length=context)
            for b in (1, _BATCH.value)}
   target_bytes = bytes_per_target_call(plain_target, 1, context)
   floor_ms = [1e3 * target_bytes / bandwidth for bandwidth in bandwidths]  # per round
@@ -729,7 +729,7 @@ def render(s: dict) -> str:
   lines += [
       '',
       f'c and r are timed on the compiled `extend` calls at context {s["context"]}'
-      ' (`speclm.analysis.measure.measure_costs`); α is the exact β average of the'
+      ' (`speclm.run.calibration.measure_costs`); α is the exact β average of the'
       ' speculative runs above. "Per row" applies the theorem to finite generations row by'
       ' row (`speclm.analysis.theory.batch_walltime_improvement`): each round\'s prediction'
       f' uses the α of each of its rows and the {_MAX_NEW.value} − 1 tokens the rounds make,'
@@ -781,7 +781,7 @@ def render_adaptive(s: dict) -> list[str]:
   lines += [f'- {name}: {histogram}' for name, histogram in s['gamma_histograms'].items()]
   if s['rules']:
     lines += ['', 'Adaptive rule (`speclm.adaptive.AdaptiveGamma`, costs timed by'
-              ' `measure.measure_adaptive_gamma`, cached per machine and batch size):', '']
+              ' `calibration.measure_adaptive_gamma`, cached per machine and batch size):', '']
     for batch_size, rule in s['rules'].items():
       lines.append(f'- batch {batch_size}: γ_max {rule.max_gamma}, c {rule.draft_cost:.3f},'
                    f' r(0 … γ_max) {", ".join(f"{r:.2f}" for r in rule.verify_costs)},'

@@ -48,7 +48,6 @@ import speclm
 from speclm import protocol
 from speclm import trees
 from speclm.analysis import benchmarking
-from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import find
@@ -57,6 +56,7 @@ from speclm.run import providers
 from speclm.analysis.benchmarking import median
 from speclm.analysis.benchmarking import ratio
 from speclm.models import t5
+from speclm.run import calibration
 
 SIZES = ('tiny', 'small', 'base', 'large', 'xl', 'xxl')
 _TARGET = flags.DEFINE_enum('target', 'large', SIZES, 'T5 1.1 size of the target.')
@@ -262,7 +262,7 @@ def main(argv):
   costs = {}
   for batch_size, gamma in sorted({(1, _GAMMA.value), (_BATCH.value, _BATCH_GAMMA.value)} |
                                   {(1, g) for g, _, _ in paper_rows.values()}):
-    costs[(batch_size, gamma)] = measure.measure_costs(
+    costs[(batch_size, gamma)] = calibration.measure_costs(
         target, draft, gamma=gamma, batch_size=batch_size, context_length=_INPUT_LENGTH.value)
 
   predictions = {}
@@ -351,7 +351,7 @@ def render(s: dict) -> str:
       '',
       'The paper measured these α with fine-tuned T5-XXL targets on a TPU-v4. Here the'
       f' same α and γ are combined with the c and r of this run\'s {_TARGET.value} target'
-      ' and draft at batch 1 (`speclm.analysis.measure.measure_costs`, context'
+      ' and draft at batch 1 (`speclm.run.calibration.measure_costs`, context'
       f' {_INPUT_LENGTH.value}): the walltime improvement Theorem 3.8 predicts for such a'
       ' pair here.',
       '',

@@ -12,8 +12,8 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
     the tree theory's tokens per call from those rates (`theory.tree_expected_tokens`),
     milliseconds per token and the speedup over the baseline (median of per-round ratios),
     and whether the greedy output equals the baseline's;
-  * the policy (`--policy`): the job's `@tree_policy()` (`speclm.analysis.tree_policy`, its
-    default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a batch-1 job
+  * the policy (`--policy`): the job's `@tree_policy()` (`speclm.run.calibration.tree_policy`,
+    its default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a batch-1 job
     calibrates on its first batch: on the first decoded prompt, 32 new tokens (at most
     `--max_new_tokens`), one untimed and 3 timed interleaved decodes per candidate;
     its measured table (the tree theory's predictions beside it, with c and r timed here) and
@@ -44,9 +44,7 @@ import speclm
 from speclm import token_trees
 from speclm import tree_decoding
 from speclm.analysis import benchmarking
-from speclm.analysis import measure
 from speclm.analysis import theory
-from speclm.analysis import tree_policy
 from speclm.analysis.benchmarking import Case
 from speclm.analysis.benchmarking import fmt
 from speclm.analysis.benchmarking import median
@@ -55,6 +53,7 @@ from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import calibration
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Interleaved rounds (one prompt per round).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
@@ -69,13 +68,13 @@ _TARGET_LAYERS = flags.DEFINE_integer(
     'target_layers', 0, 'Smoke runs: cut the target to its first N layers (0: all).')
 _POLICY = flags.DEFINE_bool(
     'policy', True, 'Also decode with what the job\'s default `@tree_policy()` chooses, by'
-    ' speed measured on the first decoded prompts (`speclm.analysis.tree_policy`).')
+    ' speed measured on the first decoded prompts (`speclm.run.calibration.tree_policy`).')
 _TREE = flags.DEFINE_multi_string(
     'tree', [], 'Only these cases of TREES / SAMPLED_TREES, by name (repeatable; default: all).')
 _OUTPUT = flags.DEFINE_string('output', 'docs/tree_benchmarks.md', 'Where the report goes.')
 
 # The job's default policy; it decodes at most --max_new_tokens per calibration call.
-POLICY = tree_policy.TreePolicy(tree_policy.default_candidates())
+POLICY = calibration.TreePolicy(calibration.default_candidates())
 
 # The trees compared. 'paths5' is the best tree of scripts/estimate_tree_drafts.py (fitted on
 # the demo prompts' ranks, docs/drafts.md); the others are the usual families.
@@ -156,12 +155,12 @@ def build_cases(target, draft, single, choices) -> list[Case]:
 def theory_costs(target, draft, context) -> tuple[float, dict[str, float]]:
   """c, and r of the policy's chain and static trees (isolated calls, interleaved with the
   1-token call): only for the theory's columns of the policy table."""
-  cost = measure.measure_costs(target, draft, gamma=1, context_length=context)
+  cost = calibration.measure_costs(target, draft, gamma=1, context_length=context)
   shapes = {name: token_trees.TreeShape.chain(_GAMMA.value) if tree is None else tree
             for name, tree in POLICY.candidates.items()
             if not isinstance(tree, token_trees.DynamicTree)}
-  r = measure.time_tree_verifications(target, list(shapes.values()), context_length=context,
-                                      repeats=7)
+  r = calibration.time_tree_verifications(target, list(shapes.values()),
+                                          context_length=context, repeats=7)
   return cost.c, dict(zip(shapes, r))
 
 
@@ -175,7 +174,7 @@ against the noise of one row. {temperature: PolicyChoice}."""
   c, r = theory_costs(target, draft, context)
   choices = {}
   for temperature in [float(t) for t in _TEMPERATURES.value]:
-    choice = tree_policy.choose(policy, target, draft, tokens, lengths, gamma=_GAMMA.value,
+    choice = calibration.choose(policy, target, draft, tokens, lengths, gamma=_GAMMA.value,
                                 sampling=speclm.SamplingConfig(temperature=temperature),
                                 seed=0, c=c, r=r, progress=print)
     print(f'policy at T={temperature:g}: {choice.summary()}', flush=True)
@@ -192,7 +191,7 @@ def policy_lines(choices, cases) -> list[str]:
            f'The job\'s default policy, calibrated as a batch-1 job does on its first batch: the'
            f' first {first["rows"]} decoded prompt(s), {first["tokens"]} new tokens, one'
            f' untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
-           ' (`speclm.analysis.tree_policy.choose`). It picks the fewest measured ms / token'
+           ' (`speclm.run.calibration.choose`). It picks the fewest measured ms / token'
            ' (the chain is always a candidate). The theory columns use the measured rates with'
            ' c and r from isolated calls timed here, for comparison only.', '']
   for temperature, choice in choices.items():
@@ -230,7 +229,8 @@ def time_r(target, context: int) -> list[tuple[int, str, float, float]]:
   wide = [token_trees.TreeShape(tuple([-1] + [(k - 1) // 3 for k in range(1, n)]))
           for n in sizes]
   chains = [token_trees.TreeShape.chain(n - 1) for n in sizes]
-  r = measure.time_tree_verifications(target, wide + chains, context_length=context, repeats=7)
+  r = calibration.time_tree_verifications(target, wide + chains, context_length=context,
+                                          repeats=7)
   rows = [(n, f'{tree.num_nodes} drafted, depth {tree.depth}', r[i], r[len(sizes) + i])
           for i, (n, tree) in enumerate(zip(sizes, wide))]
   for n, _, tree_r, chain_r in rows:

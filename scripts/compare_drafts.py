@@ -14,10 +14,10 @@ and `speculative_decode` with a fixed γ for each draft, at temperature 0 and 1:
 
 α is pooled over the rounds (the exact β sums); the speedup is the median over rounds of the
 baseline's time / the case's time (`benchmarking.ratio`); c is one draft step over one target
-step at batch 1 (`measure.measure_costs`, a context of 64). Every generation makes exactly
-`--max_new_tokens` tokens (the end token is not a stop), and greedy outputs are checked equal
-to the baseline's. The models run on the packed CPU kernels, as the demo does. It prints the
-table and writes it to --output (docs/draft_comparison.md; never edit that by hand):
+step at batch 1 (`speclm.run.calibration.measure_costs`, a context of 64). Every generation
+makes exactly `--max_new_tokens` tokens (the end token is not a stop), and greedy outputs are
+checked equal to the baseline's. The models run on the packed CPU kernels, as the demo does. It
+prints the table and writes it to --output (docs/draft_comparison.md; never edit that by hand):
 
   python scripts/compare_drafts.py --eagle_path=/tmp/out/eagle.safetensors
   python scripts/compare_drafts.py --rounds=1 --max_new_tokens=8 --output=/tmp/d.md  # smoke
@@ -34,13 +34,13 @@ from absl import flags
 
 import speclm
 from speclm.analysis import benchmarking
-from speclm.analysis import measure
 from speclm.analysis.benchmarking import Case
 from speclm.data import builtin_prompts
 from speclm.models import lookup
 from speclm.models import ngram
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import calibration
 
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Interleaved rounds (a demo prompt each).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
@@ -138,8 +138,8 @@ def main(argv):
   prompts = [benchmarking.chat_prompt_batch(tok, [p]) for p in builtin_prompts.demo_prompts()]
   costs = {}
   for name, draft in compared.items():
-    costs[name] = measure.measure_costs(target, draft, gamma=_GAMMA.value,
-                                        repeats=_COST_REPEATS.value).c
+    costs[name] = calibration.measure_costs(target, draft, gamma=_GAMMA.value,
+                                            repeats=_COST_REPEATS.value).c
     print(f'c of {name}: {costs[name]:.3f}', flush=True)
   cases = [make_case('baseline', target, None, t, prompts) for t in TEMPERATURES]
   cases += [make_case(name, target, draft, t, prompts)

@@ -16,8 +16,8 @@ tokens + 1, as in the decode loop, so the script reports tokens per target call.
 Trees are chosen greedily by how often each rank path occurs (a node at a time, keeping the
 tree closed under prefixes), fitted on the demo prompts and scored on the 16 held-out prompts.
 What a tree costs: one draft call per depth, and a verification of (nodes + 1) rows, whose
-r the script times on the CPU kernels (`measure.measure_costs`); it prints tokens per call and
-the speedup they predict, tokens per call / (depth × c + r).
+r the script times on the CPU kernels (`speclm.run.calibration.measure_costs`); it prints
+tokens per call and the speedup they predict, tokens per call / (depth × c + r).
 
   python scripts/estimate_tree_drafts.py             # about 5 minutes on 2 CPU cores
 """
@@ -33,11 +33,11 @@ from absl import app
 from absl import flags
 
 import speclm
-from speclm.analysis import measure
 from speclm.data import builtin_prompts
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import calibration
 
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Greedy reply tokens per prompt.')
 _MIN_NGRAM = flags.DEFINE_integer('lookup_min_ngram', 2, 'Lookup first where this many tokens'
@@ -165,8 +165,8 @@ def main(argv):
   fast_target = smollm2.load_model(cpu_kernels=True)
   fast_draft = smollm2_draft.load(smollm2.load_model(), cpu_kernels=True)
   context = int(np.mean([len(tok.encode_chat(p)) for p in sets['demo']])) + _MAX_NEW.value // 2
-  costs = {rows: measure.measure_costs(fast_target, fast_draft, gamma=rows - 1, batch_size=1,
-                                       context_length=context)
+  costs = {rows: calibration.measure_costs(fast_target, fast_draft, gamma=rows - 1,
+                                           batch_size=1, context_length=context)
            for rows in sorted({len(t) + 1 for _, t in trees})}
   print('\n| drafts | nodes | depth (draft calls) | rows verified | r | tokens / call, demo |'
         ' held-out | predicted speedup, held-out |')

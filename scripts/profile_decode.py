@@ -28,12 +28,12 @@ from absl import flags
 import speclm
 from speclm import adaptive
 from speclm import decoding
-from speclm.analysis import measure
 from speclm.data import builtin_prompts
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm.run import calibration
 
 _MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative', 'adaptive', 'tree'],
                           'Loop profiled (adaptive: speculative_decode with an AdaptiveGamma'
@@ -94,8 +94,8 @@ def main(argv):
 
   def adaptive_rule():
     if _FORCE_GAMMA.value is None:
-      return measure.measure_adaptive_gamma(target, draft, max_gamma=_GAMMA.value,
-                                            batch_size=_BATCH.value)
+      return calibration.measure_adaptive_gamma(target, draft, max_gamma=_GAMMA.value,
+                                                batch_size=_BATCH.value)
     # r(γ) rising steeply past the forced γ, and falling to it, make it the best choice.
     costs = [1.0 + 10.0 * abs(g - _FORCE_GAMMA.value) for g in range(_GAMMA.value + 1)]
     return adaptive.AdaptiveGamma(max_gamma=_GAMMA.value, draft_cost=0.0, verify_costs=costs)

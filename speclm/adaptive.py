@@ -41,7 +41,7 @@ the rows' expected tokens. Any γ keeps speculative sampling exact (Algorithm 1 
 every γ: the round verifies and accepts at the width of the γ drafted), so the output
 distribution is the target's whatever the rule decides; only the speed changes.
 
-c and r(γ) come from timing the models (`speclm.analysis.measure.measure_adaptive_gamma`,
+c and r(γ) come from timing the models (`speclm.run.calibration.measure_adaptive_gamma`,
 which times whole rounds of this loop and caches them per machine, model pair and batch
 size). The loop takes them as an array (`AdaptiveGamma.cost_vector`) beside the static
 `AdaptiveGamma.structure()`, so rules that differ only in their costs share one compilation.

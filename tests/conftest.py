@@ -27,7 +27,7 @@ if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
   _CACHE_DIR = tempfile.mkdtemp(prefix='speclm-tests-jax-cache-')
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-# Measured adaptive-γ costs (`measure.cost_cache_dir`) and the CPU kernel's build
+# Measured adaptive-γ costs (`calibration.cost_cache_dir`) and the CPU kernel's build
 # (`cpu_matmul.library_path`) go to directories of this session too, removed at its end: a test
 # run neither reads what earlier runs or jobs on this machine left in ~/.cache/speclm (a cached
 # timing would skip the calibration a fresh CI machine has to run) nor writes there.

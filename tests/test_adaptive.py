@@ -20,10 +20,10 @@ from speclm import adaptive
 from speclm import decoding
 from speclm import run
 from speclm import testing
-from speclm.analysis import measure
 from speclm.analysis import theory
 from speclm.models import llama
 from speclm.models import lookup
+from speclm.run.calibration import costs as costs_lib
 
 VOCAB = 48
 MAX_NEW = 24
@@ -389,15 +389,15 @@ def test_round_costs_arithmetic(monkeypatch, target):
             + [(1 + (draft_step / step if g else 0)) * prefill + loops[g] * round_seconds[g]
                for g in range(4)]]  # a draft that sits every round out never reads the prompt
   runner_steps = []
-  real_runner = measure._extend_runner  # pylint: disable=protected-access
+  real_runner = costs_lib._extend_runner  # pylint: disable=protected-access
 
   def runner(*args, **kwargs):
     made = real_runner(*args, **kwargs)
     runner_steps.append(made.num_steps)
     return made
-  monkeypatch.setattr(measure, '_extend_runner', runner)
-  monkeypatch.setattr(measure.benchmarking, 'interleaved_rounds', fake_rounds)
-  real_decode = measure.decoding._speculative_decode  # pylint: disable=protected-access
+  monkeypatch.setattr(costs_lib, '_extend_runner', runner)
+  monkeypatch.setattr(costs_lib.benchmarking, 'interleaved_rounds', fake_rounds)
+  real_decode = costs_lib.decoding._speculative_decode  # pylint: disable=protected-access
 
   def counting(*args, gamma, baseline_if_never_drafting, **kwargs):
     # γ = 0 is timed on the loop's own rounds (a rule forcing it never drafts).
@@ -406,9 +406,9 @@ def test_round_costs_arithmetic(monkeypatch, target):
     forced = int(np.argmin(gamma.verify_costs))
     loops[forced] = int(result.stats.target_calls) - 1
     return result
-  monkeypatch.setattr(measure.decoding, '_speculative_decode', counting)
-  c, r = measure.measure_round_costs(target, draft, max_gamma=3, context_length=6,
-                                     num_new_tokens=new, repeats=1, max_skip=max_skip)
+  monkeypatch.setattr(costs_lib.decoding, '_speculative_decode', counting)
+  c, r = costs_lib.measure_round_costs(target, draft, max_gamma=3, context_length=6,
+                                       num_new_tokens=new, repeats=1, max_skip=max_skip)
   assert c == pytest.approx(draft_step / step)
   expected = [round_seconds[g] / step - g * c for g in range(4)]
   expected[3] = max(expected[3], expected[2])  # lifted: a wider round never costs less
@@ -419,32 +419,33 @@ def test_round_costs_arithmetic(monkeypatch, target):
 def test_measured_costs_are_cached(tmp_path, monkeypatch, target):
   monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path))
   draft = _perturbed(target, 0.3, seed=1)
-  rule = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8,
-                                        draft_stopping=True)
+  rule = costs_lib.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8,
+                                          draft_stopping=True)
   assert len(rule.verify_costs) == 3 and all(r > 0 for r in rule.verify_costs)
   assert rule.draft_cost > 0 and rule.draft_stopping
   (saved,) = os.listdir(tmp_path)
   with open(tmp_path / saved) as f:
     assert json.load(f)['verify_costs'] == list(rule.verify_costs)
   # A second call reads the file instead of timing again.
-  monkeypatch.setattr(measure, 'measure_round_costs',
+  monkeypatch.setattr(costs_lib, 'measure_round_costs',
                       lambda *a, **k: pytest.fail('measured again'))
-  again = measure.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
+  again = costs_lib.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
   assert again.verify_costs == rule.verify_costs
 
 
 def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch):
   """The cost cache key covers the source of the loop, models and kernel (an edit to them
-  re-times), not the rest of speclm."""
+  re-times), not the rest of speclm. A listed file this copy lacks (decode_common.py here) is
+  skipped, and counts once it exists."""
   for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc', 'run/job.py',
                'adaptive.py', 'speculative.py', 'sampling.py', 'protocol.py'):
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text('# v1')
-  monkeypatch.setattr(measure, '__file__', str(tmp_path / 'analysis' / 'measure.py'))
+  monkeypatch.setattr(costs_lib, '__file__', str(tmp_path / 'run' / 'calibration' / 'costs.py'))
 
   def digest():
-    measure._timed_code_digest.cache_clear()  # pylint: disable=protected-access
-    return measure._timed_code_digest()  # pylint: disable=protected-access
+    costs_lib._timed_code_digest.cache_clear()  # pylint: disable=protected-access
+    return costs_lib._timed_code_digest()  # pylint: disable=protected-access
 
   first = digest()
   (tmp_path / 'run' / 'job.py').write_text('# v2')
@@ -454,7 +455,9 @@ def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch
     assert digest() != first
     (tmp_path / name).write_text('# v1')
   assert digest() == first
-  measure._timed_code_digest.cache_clear()  # pylint: disable=protected-access
+  (tmp_path / 'decode_common.py').write_text('# v1')
+  assert digest() != first
+  costs_lib._timed_code_digest.cache_clear()  # pylint: disable=protected-access
 
 
 def _run_tiny(output_dir, *bindings):
@@ -492,7 +495,7 @@ def test_job_whose_rule_never_drafts_decodes_with_the_baseline(tmp_path, monkeyp
   """With costs where drafting does not pay at the prior, the job says so, every round is a
   γ = 0 round and metrics.json notes it; a higher prior makes the same job draft."""
   monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path / 'costs'))
-  monkeypatch.setattr(measure, 'measure_round_costs',
+  monkeypatch.setattr(costs_lib, 'measure_round_costs',
                       lambda *a, **k: (NOT_PAYING['draft_cost'], NOT_PAYING['verify_costs']))
   gin.clear_config()
   stream = io.StringIO()

@@ -1,5 +1,6 @@
-"""speclm.analysis.measure: α estimators against analytic values, Eq. (1) by simulation, and
-the loop's own α against Corollary 3.6 on a real (tiny) model pair.
+"""speclm.analysis.measure and the measurements of speclm.run.calibration: α estimators
+against analytic values, Eq. (1) by simulation, and the loop's own α against Corollary 3.6 on
+a real (tiny) model pair.
 
 Fake models first (a bigram "model" whose α is computable in closed form), real ones second.
 """
@@ -23,6 +24,7 @@ from speclm.analysis import __main__ as cli
 from speclm.analysis import measure
 from speclm.analysis import report
 from speclm.analysis import theory
+from speclm.run import calibration
 
 # ----------------------------------------------------------------------------------------------
 # A bigram model: logits for the next token depend only on the current one (params[token]).
@@ -151,8 +153,8 @@ def test_corollary_3_6_on_bigram_models_greedy_is_exact():
   target, draft = _bigram_pair()
   prompts = np.array([[1, 2, 3]] * 4, np.int32)
   lengths = np.array([3, 3, 3, 3], np.int32)
-  estimate = measure.estimate_alpha(target, draft, prompts, lengths, tokens_per_row=25,
-                                    sampling=speclm.GREEDY, batch_size=4)
+  estimate = calibration.estimate_alpha(target, draft, prompts, lengths, tokens_per_row=25,
+                                        sampling=speclm.GREEDY, batch_size=4)
   assert estimate.summary.num_positions == 100
   expected = _analytic_bigram_alpha(target, draft, speclm.GREEDY, 3, 25)
   assert estimate.alpha == pytest.approx(expected, abs=1e-6)
@@ -165,8 +167,9 @@ def test_corollary_3_6_on_bigram_models_sampled_within_sampling_error():
   sampling = speclm.SamplingConfig(temperature=1.0)
   rows, length = 256, 24
   prompts = np.full((rows, 2), 4, np.int32)
-  estimate = measure.estimate_alpha(target, draft, prompts, np.full((rows,), 2, np.int32),
-                                    tokens_per_row=length, sampling=sampling, batch_size=128)
+  estimate = calibration.estimate_alpha(target, draft, prompts, np.full((rows,), 2, np.int32),
+                                        tokens_per_row=length, sampling=sampling,
+                                        batch_size=128)
   expected = _analytic_bigram_alpha(target, draft, sampling, 4, length)
   row_means = estimate.beta.mean(axis=1)
   stderr = row_means.std(ddof=1) / np.sqrt(rows)
@@ -283,9 +286,9 @@ def test_loop_alpha_agrees_with_corollary_3_6_when_sampling(llama_pair):
   spec = speclm.speculative_decode(target, draft, prompts[rows], lengths[rows], gamma=GAMMA,
                                    sampling=sampling, max_new_tokens=MAX_NEW, seed=7)
   loop_rows = measure.alpha_per_row_from_stats(spec.stats)
-  estimate = measure.estimate_alpha(target, draft, prompts[rows], lengths[rows],
-                                    tokens_per_row=MAX_NEW, sampling=sampling, seed=11,
-                                    batch_size=32)
+  estimate = calibration.estimate_alpha(target, draft, prompts[rows], lengths[rows],
+                                        tokens_per_row=MAX_NEW, sampling=sampling, seed=11,
+                                        batch_size=32)
   reference_rows = estimate.beta.mean(axis=1)
   stderr = np.hypot(loop_rows.std(ddof=1), reference_rows.std(ddof=1)) / np.sqrt(len(rows))
   loop_alpha = spec.stats.alpha
@@ -295,19 +298,40 @@ def test_loop_alpha_agrees_with_corollary_3_6_when_sampling(llama_pair):
 def test_costs_and_speedup_are_measured(llama_pair):
   target, draft, prompts, lengths = llama_pair
   # The draft shares the target's definition, so its step reuses the target step's compilation.
-  costs = measure.measure_costs(target, draft, gamma=3, batch_size=2, context_length=8,
-                                num_steps=3, repeats=2)
+  costs = calibration.measure_costs(target, draft, gamma=3, batch_size=2, context_length=8,
+                                    num_steps=3, repeats=2)
   for seconds in (costs.draft_step_seconds, costs.target_step_seconds,
                   costs.target_verify_seconds):
     assert 0 < seconds < 1.0
   assert costs.c == pytest.approx(costs.draft_step_seconds / costs.target_step_seconds)
   assert costs.r > 0 and costs.gamma == 3
-  speed = measure.measure_speedup(target, draft, prompts, lengths, gamma=GAMMA,
-                                  sampling=speclm.GREEDY, max_new_tokens=MAX_NEW, repeats=1)
+  speed = calibration.measure_speedup(target, draft, prompts, lengths, gamma=GAMMA,
+                                      sampling=speclm.GREEDY, max_new_tokens=MAX_NEW,
+                                      repeats=1)
   assert speed.outputs_match  # greedy: token-for-token equal
   assert speed.speedup > 0 and speed.num_tokens == MAX_NEW * len(prompts)
   assert speed.tokens_per_target_call > 1.0
   assert speed.accepted_histogram.sum() > 0
+
+
+def test_run_report_puts_its_measurements_in_one_row(llama_pair):
+  """`calibration.run_report` on a job's prompts: the row carries the α, c, r and speedup it
+  measured (α equal to `estimate_alpha` on the same prompts: greedy text is deterministic),
+  and the theory's predictions for them."""
+  target, draft, prompts, lengths = llama_pair
+  result = calibration.run_report(
+      target, draft, name='pair', gamma=GAMMA, sampling=speclm.GREEDY, tokens_per_row=MAX_NEW,
+      batch_size=8, max_new_tokens=MAX_NEW, repeats=1, prompts=(prompts, lengths))
+  alpha = calibration.estimate_alpha(target, draft, prompts, lengths, tokens_per_row=MAX_NEW,
+                                     sampling=speclm.GREEDY, batch_size=8)
+  row = result.row
+  assert row.alpha == alpha.alpha and row.alpha_positions == alpha.summary.num_positions
+  assert (row.c, row.r) == (result.costs.c, result.costs.r)
+  assert result.costs.context_length == int(lengths.max()) + MAX_NEW // 2
+  assert row.measured_speedup == result.speed.speedup and result.speed.outputs_match
+  assert row.expected_tokens == pytest.approx(
+      theory.expected_tokens_per_iteration(row.alpha, GAMMA))
+  assert json.loads(result.to_json())['rows'][0]['name'] == 'pair'
 
 
 def test_cli_alpha_on_random_specs(tmp_path, capsys):

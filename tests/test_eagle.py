@@ -16,6 +16,7 @@ from speclm.models import eagle
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.models import t5
+from speclm.run import calibration
 
 PROMPTS = np.array([[5, 9, 2, 7, 0, 0, 0], [3, 3, 8, 1, 4, 6, 2]], np.int32)
 LENGTHS = np.array([4, 7], np.int32)
@@ -177,8 +178,8 @@ def test_errors(target):
       mlp_dim=96)))
   with pytest.raises(ValueError, match='features of width'):
     speclm.speculative_decode(wide, draft, PROMPTS, LENGTHS, gamma=2, max_new_tokens=4)
-  reference = measure.generate_reference(target, PROMPTS, LENGTHS, tokens_per_row=4,
-                                         sampling=speclm.GREEDY)
+  reference = calibration.generate_reference(target, PROMPTS, LENGTHS, tokens_per_row=4,
+                                             sampling=speclm.GREEDY)
   with pytest.raises(ValueError, match='does not provide them'):
     measure.beta_along(encoder_decoder, draft, reference, sampling=speclm.GREEDY)
   with pytest.raises(ValueError, match='at least two'):
@@ -256,10 +257,10 @@ def test_costs_of_feature_drafts_are_measured(target):
   prefill or extend: timing them raised TypeError, so an adaptive job with one failed)."""
   draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1))
   for model in (draft, lookup.lookup_first(draft, min_ngram=2)):
-    costs = measure.measure_costs(target, model, gamma=2, repeats=1, num_steps=2)
+    costs = calibration.measure_costs(target, model, gamma=2, repeats=1, num_steps=2)
     assert costs.draft_step_seconds > 0 and np.isfinite(costs.c)
-  c, verify = measure.measure_round_costs(target, draft, max_gamma=2, repeats=1,
-                                          num_new_tokens=4)
+  c, verify = calibration.measure_round_costs(target, draft, max_gamma=2, repeats=1,
+                                              num_new_tokens=4)
   assert c > 0 and len(verify) == 3 and all(np.isfinite(verify))
 
 

@@ -380,13 +380,15 @@ def test_measured_tokens_per_call_match_the_tree_theory():
 
 
 def test_timing_a_tree_verification():
-  from speclm.analysis import measure  # pylint: disable=import-outside-toplevel
+  from speclm.run import calibration  # pylint: disable=import-outside-toplevel
   target = llama.random_model(vocab_size=16, embed_dim=16, num_layers=1)
-  seconds = measure.time_extend(target, num_new=len(BRANCHY.parents), context_length=8,
-                                tree=BRANCHY, repeats=1, num_steps=2, min_sample_seconds=0.0)
+  seconds = calibration.time_extend(target, num_new=len(BRANCHY.parents), context_length=8,
+                                    tree=BRANCHY, repeats=1, num_steps=2,
+                                    min_sample_seconds=0.0)
   assert seconds > 0
   with pytest.raises(ValueError, match='tree'):
-    measure.time_extend(target, num_new=3, tree=BRANCHY)
-  r = measure.time_tree_verifications(target, [BRANCHY, TreeShape.chain(2)], context_length=8,
-                                      repeats=2, num_steps=2, min_sample_seconds=0.0)
+    calibration.time_extend(target, num_new=3, tree=BRANCHY)
+  r = calibration.time_tree_verifications(target, [BRANCHY, TreeShape.chain(2)],
+                                          context_length=8, repeats=2, num_steps=2,
+                                          min_sample_seconds=0.0)
   assert len(r) == 2 and all(x > 0 for x in r)

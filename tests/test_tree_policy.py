@@ -1,4 +1,4 @@
-"""The tree policy (speclm.analysis.tree_policy): it times the baseline, the chain and each
+"""The tree policy (speclm.run.calibration.tree_policy): it times the baseline, the chain and each
 candidate tree on the first rows and picks the fastest as measured.
 
 What this proves: the choice is the argmin of the table's own measured seconds per token (the
@@ -15,8 +15,8 @@ import pytest
 import speclm
 from speclm import token_trees
 from speclm import tree_decoding
-from speclm.analysis import tree_policy
 from speclm.models import llama
+from speclm.run.calibration import tree_policy
 
 PROMPTS = np.array([[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 0, 0, 0, 0], [5, 3, 5, 3, 5, 3, 0]],
                    np.int32)

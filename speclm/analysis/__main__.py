@@ -52,10 +52,12 @@ class _Job:
     self.prompts = self.prompt_lengths = self.eos_id = None
     self.target = self.draft = None
     if args.gin_file:
-      from speclm import run  # pylint: disable=g-import-not-at-top  (the job's gin machinery)
+      # The job's gin machinery: its flag parsing and the loading of its parts.
+      from speclm.run import gin_cli  # pylint: disable=g-import-not-at-top
+      from speclm.run import loading  # pylint: disable=g-import-not-at-top
       try:
-        job = run.load_job(args.gin_file, args.gin_bindings, args.gin_search_paths)
-      except run.JobError as e:
+        job = loading.load_job(args.gin_file, args.gin_bindings, args.gin_search_paths)
+      except gin_cli.JobError as e:
         raise ValueError(e.message) from None
       self.target, self.draft = job['target'], job['draft']
       self.prompts, self.prompt_lengths = job['prompts'], job['prompt_lengths']
@@ -149,11 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 
   p = sub.add_parser(
       'alpha', help='α by Corollary 3.6, DLK, β histogram and autocorrelation',
-      description='α by Corollary 3.6. Lets the target generate --num_tokens tokens (greedy or sampled, in batches,'
-      ' with speclm.autoregressive_decode) from random prompts, scores every position with both'
-      ' models (teacher-forced), standardizes with the same sampling settings as decoding, and'
-      ' reports α = mean Σ_x min(p̃, q̃), DLK = 1 - α, the β histogram and the autocorrelation'
-      ' of β along the text (0 under the i.i.d. assumption of Eq. (1)).')
+      description='α by Corollary 3.6. Lets the target generate --num_tokens tokens (greedy or'
+      ' sampled, in batches, with speclm.autoregressive_decode) from random prompts, scores'
+      ' every position with both models (teacher-forced), standardizes with the same sampling'
+      ' settings as decoding, and reports α = mean Σ_x min(p̃, q̃), DLK = 1 - α, the β'
+      ' histogram and the autocorrelation of β along the text (0 under the i.i.d. assumption'
+      ' of Eq. (1)).')
   _add_models(p)
   _add_sampling(p)
   _add_alpha_flags(p)
@@ -251,6 +254,7 @@ def _theory(args) -> int:
 def _alpha(args) -> int:
   import math
   from speclm.analysis import measure
+  from speclm.run import calibration  # the decodes that measure (the job's layer)
   job = _Job(args)
   target, draft = job.target, job.draft
   if job.prompts is not None:
@@ -259,7 +263,7 @@ def _alpha(args) -> int:
     rows = math.ceil(args.num_tokens / args.tokens_per_row)
     prompts, lengths = measure.random_prompts(target.vocab_size, rows, args.prompt_length,
                                               args.seed)
-  estimate = measure.estimate_alpha(
+  estimate = calibration.estimate_alpha(
       target, draft, prompts, lengths, tokens_per_row=args.tokens_per_row,
       sampling=_sampling(args), seed=args.seed, batch_size=args.batch_size, bins=args.bins,
       max_lag=args.max_lag, eos_id=job.eos_id)
@@ -284,13 +288,13 @@ def _alpha(args) -> int:
 
 
 def _cost(args) -> int:
-  from speclm.analysis import measure
+  from speclm.run import calibration  # timed model calls (the job's layer)
   job = _Job(args)
   target, draft = job.target, job.draft
-  costs = measure.measure_costs(target, draft, gamma=args.gamma, batch_size=args.batch_size,
-                                context_length=args.context_length, num_steps=args.num_steps,
-                                repeats=args.repeats,
-                                min_sample_seconds=args.min_sample_ms / 1e3)
+  costs = calibration.measure_costs(target, draft, gamma=args.gamma, batch_size=args.batch_size,
+                                    context_length=args.context_length,
+                                    num_steps=args.num_steps, repeats=args.repeats,
+                                    min_sample_seconds=args.min_sample_ms / 1e3)
   print(f'batch {costs.batch_size}, context {costs.context_length} positions,'
         f' median of {args.repeats} timed samples, each ≥ {args.num_steps} calls and'
         f' ≥ {args.min_sample_ms:g} ms')
@@ -308,9 +312,10 @@ def _cost(args) -> int:
 
 
 def _report(args) -> int:
+  from speclm.run import calibration  # the decodes that measure (the job's layer)
   job = _Job(args)
   prompts = None if job.prompts is None else (job.prompts, job.prompt_lengths)
-  result = report.run_report(
+  result = calibration.run_report(
       job.target, job.draft, name=args.name or job.draft_name, gamma=args.gamma,
       sampling=_sampling(args), alpha_tokens=args.num_tokens, tokens_per_row=args.tokens_per_row,
       batch_size=args.batch_size, prompt_length=args.prompt_length,

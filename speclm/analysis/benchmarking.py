@@ -1,8 +1,9 @@
 """The side-by-side timing harness shared by `scripts/benchmark.py` and `scripts/benchmark_t5.py`.
 
 `interleaved_rounds` is speclm's one timing loop: it runs several callables once per round, in
-turn, so that slow periods of a shared machine hit them all alike. `measure.time_extend`,
-`measure.measure_costs` and `measure.measure_speedup` take medians of its rounds.
+turn, so that slow periods of a shared machine hit them all alike. The calibration's
+`time_extend`, `measure_costs` and `measure_speedup` (`speclm.run.calibration`) take medians
+of its rounds.
 
 A benchmark is a list of `Case`s, each a callable that generates a fixed number of tokens per
 row. `warm_up` compiles and warms every case up; `run_rounds` then runs them all once per

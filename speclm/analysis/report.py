@@ -3,12 +3,15 @@
 A report row puts side by side what the theory predicts from measured α, c and r and what a
 real run measured:
 
-  α (Cor. 3.6)       mean β on target-generated text (`measure.estimate_alpha`)
+  α (Cor. 3.6)       mean β on target-generated text (`calibration.estimate_alpha`)
   α (loop)           beta_sum / beta_count from the speculative decode itself
-  c, r               `measure.measure_costs`
+  c, r               `calibration.measure_costs`
   E[tokens]          Eq. (1) at α, γ — versus the loop's measured tokens per target call
   predicted          Theorem 3.8 (r = 1) and the generalised form with the measured r
   measured           walltime of autoregressive_decode / walltime of speculative_decode
+
+The measuring (`speclm.run.calibration.run_report`, which runs the decodes) lives beside the
+job; this module builds and formats the rows from its records.
 
 Models for the command line come from small spec strings, `kind:key=value,...`, resolved by a
 registry (`register_model_kind`). The built-in kind `random` builds a random-weight Llama; the
@@ -245,7 +248,8 @@ def _json_default(value):
 
 @dataclasses.dataclass(frozen=True)
 class RunReport:
-  """Everything `run_report` measured: the row and the measurements behind it."""
+  """Everything `speclm.run.calibration.run_report` measured: the row and the measurements
+  behind it (α's β summary, c and r, the timed speedup)."""
 
   row: ReportRow
   alpha: measure.AlphaEstimate
@@ -255,47 +259,6 @@ class RunReport:
   def to_json(self) -> str:
     return report_json([self.row], beta=self.alpha.summary.to_dict(),
                        costs=self.costs.to_dict(), speed=self.speed.to_dict())
-
-
-def run_report(target: protocol.Model, draft: protocol.Model, *, name: str, gamma: int,
-               sampling: sampling_lib.SamplingConfig, alpha_tokens: int = 10_000,
-               tokens_per_row: int = 128, batch_size: int = 8, prompt_length: int = 8,
-               max_new_tokens: int = 128, repeats: int = 3, seed: int = 0, bins: int = 20,
-               max_lag: int = 10, prompts: tuple[np.ndarray, np.ndarray] | None = None,
-               eos_id: int | None = None) -> RunReport:
-  """Measures α (Cor. 3.6), c, r and the real speedup for one (target, draft, γ, sampling).
-
-  Without `prompts`, α uses ceil(alpha_tokens / tokens_per_row) random prompts and the speedup
-  is timed on one batch of `batch_size` random prompts (seeded differently). With `prompts`
-  (tokens `[N, P]`, lengths `[N]`, e.g. a gin job's dataset), α uses all of them and the
-  speedup their first `batch_size`. Each row gets `max_new_tokens` new tokens; c and r are timed
-  at the same batch size, after prompt_length + max_new_tokens/2 positions (a typical
-  mid-generation context).
-  """
-  if prompts is None:
-    rows = math.ceil(alpha_tokens / tokens_per_row)
-    alpha_prompts = measure.random_prompts(target.vocab_size, rows, prompt_length, seed)
-    speed_prompts = measure.random_prompts(target.vocab_size, batch_size, prompt_length,
-                                           seed + 1)
-  else:
-    alpha_prompts = prompts
-    speed_prompts = tuple(np.asarray(x)[:batch_size] for x in prompts)
-    prompt_length = int(np.max(prompts[1]))
-  alpha = measure.estimate_alpha(target, draft, *alpha_prompts, tokens_per_row=tokens_per_row,
-                                 sampling=sampling, seed=seed, batch_size=batch_size, bins=bins,
-                                 max_lag=max_lag, eos_id=eos_id)
-  costs = measure.measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
-                                context_length=prompt_length + max_new_tokens // 2,
-                                repeats=max(repeats, 3), seed=seed)
-  speed = measure.measure_speedup(target, draft, *speed_prompts, gamma=gamma,
-                                  sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
-                                  repeats=repeats)
-  row = ReportRow.from_numbers(
-      name, gamma=gamma, alpha=alpha.alpha, c=costs.c, r=costs.r,
-      sampling=describe_sampling(sampling), alpha_loop=speed.alpha,
-      tokens_per_target_call=speed.tokens_per_target_call, measured_speedup=speed.speedup,
-      alpha_positions=alpha.summary.num_positions, batch_size=batch_size)
-  return RunReport(row=row, alpha=alpha, costs=costs, speed=speed)
 
 
 # ----------------------------------------------------------------------------------------------

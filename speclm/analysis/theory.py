@@ -360,8 +360,8 @@ def optimal_gamma(alpha: float, c: float, r: float = 1.0, max_gamma: int = 64) -
 
   A search over the whole integer range is exact for any r and costs nothing. `r` is held
   fixed across γ; since a real verification cost grows with γ, measure r near the γ you pick
-  (`speclm.analysis.measure.measure_costs`) and re-check. As α → 1 with c → 0 the optimum grows without
-  bound; `at_limit` then says the search range was the binding constraint.
+  (`speclm.run.calibration.measure_costs`) and re-check. As α → 1 with c → 0 the optimum grows
+  without bound; `at_limit` then says the search range was the binding constraint.
   """
   if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
     raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')

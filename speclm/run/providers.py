@@ -32,7 +32,6 @@ from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import text
 from speclm import token_trees
-from speclm.analysis import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks
 from speclm.data import vocab as vocab_lib
@@ -40,6 +39,7 @@ from speclm.models import llama
 from speclm.models import t5
 from speclm.run import errors
 from speclm.run import gin_cli
+from speclm.run.calibration import tree_policy as tree_policy_lib
 from speclm.run.errors import JobError
 
 # ----------------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: i
   """`run_job.tree = @tree_policy()`: at start-up the job decodes its first
   `calibration_rows` rows with the baseline, the chain (its GAMMA) and every candidate tree,
   `calibration_tokens` tokens each (one untimed warm-up, then `repeats` timed, interleaved
-  calls), and decodes everything with the fastest as measured (`speclm.analysis.tree_policy`).
+  calls), and decodes everything with the fastest as measured (`speclm.run.calibration`).
 
   `candidates`: name -> a tree (`@a/token_tree()`, `@dynamic_tree()`), rank paths
   (`[[0], [1], [0, 0]]`) or None (the chain); the chain is always added. Default: the chain,

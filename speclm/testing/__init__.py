@@ -127,9 +127,13 @@ def check_greedy_replay(target, draft, prompts, lengths, *, gamma: int, max_new_
                      ' read its own predicted features, which teacher forcing does not see.')
   spec = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
                                    max_new_tokens=max_new_tokens)
-  reference = measure.generate_reference(target, prompts, lengths,
-                                         tokens_per_row=max_new_tokens + gamma,
-                                         sampling=speclm.GREEDY, batch_size=batch_size)
+  # The target's greedy text, batch by batch (as `speclm.run.calibration.generate_reference`
+  # writes it at temperature 0), a seed per batch.
+  reference = measure.collect_reference(
+      lambda batch, batch_lengths, index: speclm.autoregressive_decode(
+          target, batch, batch_lengths, sampling=speclm.GREEDY,
+          max_new_tokens=max_new_tokens + gamma, seed=index),
+      prompts, lengths, batch_size=batch_size)
   np.testing.assert_array_equal(np.asarray(spec.tokens), reference.tokens[:, :max_new_tokens])
   beta, mask = measure.beta_along(target, draft, reference, sampling=speclm.GREEDY,
                                   batch_size=batch_size)

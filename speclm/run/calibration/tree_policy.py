@@ -1,5 +1,8 @@
 """A job's choice between token trees and the chain, by measured speed on its own prompts.
 
+Calibration, before the job decodes (`run_job.tree = @tree_policy()`); the job records the
+choice and its table in metrics.json and tree_policy.json.
+
 Whether a token tree beats the chain depends on the machine, the model pair and the prompts:
 a tree keeps more tokens per target call, but each round drafts more and verifies a wider
 call. Predicting that from per-rank acceptance measured elsewhere and from isolated call
@@ -120,6 +123,8 @@ class TreePolicy:
                        f' {self.allow_baseline!r}.')
 
   def describe(self) -> str:
+    """One line naming the candidates (and the baseline when allowed) and the calibration's
+    size, for the job's log."""
     names = [*self.candidates, *([BASELINE] if self.allow_baseline else [])]
     return (f'tree policy over {", ".join(names)} ({self.calibration_rows} rows,'
             f' {self.calibration_tokens} tokens, {self.repeats} timed repeats)')
@@ -155,6 +160,7 @@ class PolicyChoice:
     return self.name != BASELINE
 
   def row(self, name: str) -> dict[str, Any]:
+    """The measured row of candidate `name` (or 'baseline'); StopIteration if none."""
     return next(row for row in self.rows if row['name'] == name)
 
   def to_dict(self) -> dict[str, Any]:
@@ -195,10 +201,12 @@ class PolicyChoice:
 
 
 def _fmt(x: float | None, spec: str = '.2f') -> str:
+  """`x` formatted by `spec`, or a dash for None."""
   return '—' if x is None else format(x, spec)
 
 
 def _finite(x) -> float | None:
+  """`x` as a float, or None when it is NaN or infinite."""
   x = float(x)
   return x if math.isfinite(x) else None
 
@@ -231,40 +239,77 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
     raise ValueError(f'prompts must be [B, P] with B >= 1, got shape {prompts.shape}.')
   rows = min(policy.calibration_rows, prompts.shape[0])
   tokens, token_lengths = prompts[:rows], lengths[:rows]
+  decodes = _candidate_decodes(policy, target, draft, gamma)
+  common = dict(sampling=sampling, max_new_tokens=policy.calibration_tokens, eos_id=eos_id,
+                pad_id=pad_id)
+  runs = {name: (lambda k, decode=decode: decode(tokens, token_lengths, seed=seed + k,
+                                                 **common))
+          for name, decode in decodes.items()}
+  started = time.perf_counter()
+  warmup_s, results, seconds = _time_decodes(runs, policy.repeats, progress)
+  table = _measured_table(policy, gamma, sampling, c, r, warmup_s, results, seconds)
+  best = next(row for row in table if row['chosen'])
+  return PolicyChoice(
+      name=best['name'], tree=policy.candidates.get(best['name']), rows=table,
+      calibration={'rows': rows, 'tokens': policy.calibration_tokens,
+                   'repeats': policy.repeats, 'seconds': time.perf_counter() - started})
+
+
+def _candidate_decodes(policy: TreePolicy, target, draft, gamma: int) -> dict[str, Callable]:
+  """name -> the decode function of the baseline (first) and of each candidate, in order;
+  each takes (prompts, lengths, **decode settings)."""
   decodes = {BASELINE: functools.partial(decoding.autoregressive_decode, target)}
   for name, tree in policy.candidates.items():
     decodes[name] = (functools.partial(decoding.speculative_decode, target, draft, gamma=gamma)
                      if tree is None else
                      functools.partial(tree_decoding.tree_speculative_decode, target, draft,
                                        tree=tree))
-  common = dict(sampling=sampling, max_new_tokens=policy.calibration_tokens, eos_id=eos_id,
-                pad_id=pad_id)
+  return decodes
 
-  def runner(decode):
-    return lambda k: decode(tokens, token_lengths, seed=seed + k, **common)
 
-  started = time.perf_counter()
+def _time_decodes(runs: dict[str, Callable[[int], Any]], repeats: int,
+                  progress: Callable[[str], Any] | None):
+  """Warms every run up (untimed, seed offset 0), then times `repeats` interleaved rounds.
+
+  Returns (warm-up seconds by name, the decode results by name (one per timed repeat, on the
+  host), the timed seconds by name).
+  """
   warmup_s = {}
-  for name, decode in decodes.items():  # compile and warm up, untimed
+  for name, run in runs.items():  # compile and warm up, untimed
     start = time.perf_counter()
-    jax.block_until_ready(runner(decode)(0))
+    jax.block_until_ready(run(0))
     warmup_s[name] = time.perf_counter() - start
     if progress is not None:
       progress(f'  {name}: compiled and warmed up in {warmup_s[name]:.1f}s')
-  results = {name: [] for name in decodes}
+  results = {name: [] for name in runs}
 
   def record(_, __, outputs):
-    for name, out in zip(decodes, outputs):
+    for name, out in zip(runs, outputs):
       results[name].append(jax.device_get(out))
 
-  seconds = dict(zip(decodes, benchmarking.interleaved_rounds(
-      [runner(d) for d in decodes.values()], policy.repeats, after_round=record)))
+  seconds = dict(zip(runs, benchmarking.interleaved_rounds(
+      list(runs.values()), repeats, after_round=record)))
+  return warmup_s, results, seconds
 
+
+# The table's keys in one order (JSON readers and markdown alike).
+_TABLE_KEYS = ('name', 'kind', 'description', 'nodes', 'seconds', 'seconds_per_token',
+               'speedup', 'tokens_per_call', 'tokens_per_round', 'alpha', 'rank_acceptance',
+               'predicted_tokens_per_round', 'predicted_speedup', 'identical_to_baseline',
+               'warmup_s', 'chosen')
+
+
+def _measured_table(policy: TreePolicy, gamma: int, sampling, c, r, warmup_s, results,
+                    seconds) -> list[dict[str, Any]]:
+  """The rows of `PolicyChoice.rows` (the baseline first), the fastest marked chosen: the
+  fewest seconds per generated token (ties: the chain, then fewer nodes, then the order
+  given), or the baseline when the policy allows it and no candidate was faster."""
+  names = list(results)
   per_token = {name: [s / max(int(np.sum(out.lengths)), 1)
-                      for s, out in zip(seconds[name], results[name])] for name in decodes}
+                      for s, out in zip(seconds[name], results[name])] for name in names}
   base_outputs = [out.to_lists() for out in results[BASELINE]]
   table = []
-  for name in decodes:
+  for name in names:
     tree = None if name == BASELINE else policy.candidates[name]
     row = _row(name, tree, gamma, results[name], base_outputs, sampling, c, r)
     row.update(
@@ -274,22 +319,13 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
             [b / t for b, t in zip(per_token[BASELINE], per_token[name])])),
         warmup_s=float(warmup_s[name]), chosen=False)
     table.append(row)
-  order = {name: i for i, name in enumerate(decodes)}
+  order = {name: i for i, name in enumerate(names)}
   best = min(table[1:], key=lambda row: (row['seconds_per_token'], row['kind'] != 'chain',
                                          row['nodes'], order[row['name']]))
   if policy.allow_baseline and table[0]['seconds_per_token'] <= best['seconds_per_token']:
     best = table[0]  # speculation did not pay here: decode without it
   best['chosen'] = True
-  # The table's keys in one order (JSON readers and markdown alike).
-  keys = ('name', 'kind', 'description', 'nodes', 'seconds', 'seconds_per_token', 'speedup',
-          'tokens_per_call', 'tokens_per_round', 'alpha', 'rank_acceptance',
-          'predicted_tokens_per_round', 'predicted_speedup', 'identical_to_baseline',
-          'warmup_s', 'chosen')
-  table = [{key: row[key] for key in keys} for row in table]
-  return PolicyChoice(
-      name=best['name'], tree=policy.candidates.get(best['name']), rows=table,
-      calibration={'rows': rows, 'tokens': policy.calibration_tokens,
-                   'repeats': policy.repeats, 'seconds': time.perf_counter() - started})
+  return [{key: row[key] for key in _TABLE_KEYS} for row in table]
 
 
 def _row(name: str, tree, gamma: int, results: list[decoding.DecodeResult],
