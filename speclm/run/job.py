@@ -7,7 +7,7 @@ at several temperatures.
   2. output dir   locked, checked against the job's fingerprint (`speclm.run.fingerprint`)
   3. inputs       the vocabulary and this process's share of the dataset
   4. models       the target and draft (`speclm.run.providers`), sharded when a mesh is set
-  5. calibration  adaptive γ's costs (`speclm.analysis.measure`, cached per machine)
+  5. calibration  adaptive γ's costs (`speclm.run.calibration`, cached per machine)
   6. accept       the full fingerprint recorded; only now does the directory change
   7. tree policy  the chain or a tree, timed on the first pending batch (`@tree_policy()`)
   8. decode       batch by batch (`speclm.run.records`), each batch appended durably
@@ -36,8 +36,8 @@ from speclm import progress as progress_lib
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm.analysis import job_metrics
-from speclm.analysis import measure
-from speclm.analysis import tree_policy as tree_policy_lib
+from speclm.run.calibration import costs as costs_lib
+from speclm.run.calibration import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.data import vocab as vocab_lib
 from speclm.run import fingerprint as fingerprint_lib
@@ -149,7 +149,7 @@ def run_job(*,
     tree: a token tree (`@token_tree()` static, `@dynamic_tree()` EAGLE-2; see
       `speclm.token_trees`): each round verifies the tree in one target call instead of a
       chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only. Or
-      `@tree_policy()` (`speclm.analysis.tree_policy`): at start-up the job times the chain
+      `@tree_policy()` (`speclm.run.calibration.tree_policy`): at start-up the job times the chain
       (with `gamma`) and each candidate tree on its first rows and decodes with the fastest
       as measured; metrics.json records the table under 'tree_policy'. One process only.
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
@@ -336,7 +336,7 @@ def _calibrate_gamma(settings: settings_lib.JobSettings, pair: _Pair, inputs: _I
   batch_size, max_gamma = settings.batch_size, settings.max_gamma
   print(f'Timing c and r(γ) for adaptive γ (batch {batch_size}, γ ≤ {max_gamma}; cached'
         ' per machine) …', file=stream, flush=True)
-  rule = measure.measure_adaptive_gamma(
+  rule = costs_lib.measure_adaptive_gamma(
       pair.target, pair.draft, max_gamma=max_gamma, batch_size=batch_size,
       context_length=_cost_context(inputs.encoded, settings.max_new_tokens),
       draft_stopping=settings.draft_stopping, prior_alpha=settings.prior_alpha)
@@ -471,7 +471,7 @@ def _cost_entry(settings: settings_lib.JobSettings, pair: _Pair, inputs: _Inputs
             'batch_size': settings.batch_size}
   if not (settings.measure_cost and pair.draft is not None and choice.speculate):
     return None
-  estimate = measure.measure_costs(
+  estimate = costs_lib.measure_costs(
       pair.target, pair.draft,
       gamma=settings.gamma if choice.tree is None else choice.tree.num_nodes,
       batch_size=settings.batch_size,

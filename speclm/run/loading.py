@@ -39,7 +39,8 @@ def load_job(gin_files: Sequence[str], gin_bindings: Sequence[str] = (),
   'prompt_lengths' `[N]` (right-padded token ids) and 'eos_id'.
   """
   gin_cli.parse_gin(gin_files, list(gin_bindings) + list(_JOB_PARTS_BINDINGS), gin_search_paths)
-  target, draft, vocabulary, dataset, max_input_length = job_parts()  # pylint: disable=no-value-for-parameter
+  # pylint: disable-next=no-value-for-parameter
+  target, draft, vocabulary, dataset, max_input_length = job_parts()
   vocabulary = providers.as_vocabulary(providers.provide(vocabulary, 'Loading the vocabulary'))
   examples = list(providers.provide(dataset, 'Reading the dataset'))
   if not examples:

@@ -15,7 +15,7 @@ from speclm import decoding
 from speclm import sampling as sampling_lib
 from speclm import token_trees
 from speclm.analysis import job_metrics
-from speclm.analysis import tree_policy as tree_policy_lib
+from speclm.run.calibration import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
 from speclm.run import providers
 from speclm.run.errors import JobError
