@@ -274,7 +274,7 @@ def _read_json_object(path: str) -> dict[str, Any]:
     with open(path, encoding='utf-8') as f:
       value = json.load(f)
   except json.JSONDecodeError as e:
-    raise TokenizerFileError(f'{path} is not valid JSON ({e.msg} at line {e.lineno} column'
+    raise TokenizerFileError(f'{path} is not valid JSON ({e.msg}: line {e.lineno} column'
                              f' {e.colno}); the file is truncated or corrupt: download or write'
                              ' it again.', path=path) from e
   except UnicodeDecodeError as e:

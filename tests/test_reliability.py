@@ -308,7 +308,13 @@ def _blocked_template(directory):
     json.dump(config, f)
 
 
+def _break_tokenizer(directory):
+  _truncate(os.path.join(directory, 'tokenizer.json'))
+
+
 @pytest.mark.parametrize('damage, line', [
+    (_break_tokenizer, 'speclm.run: error: Loading the vocabulary failed: {model}/tokenizer.json'
+                       ' is not a readable tokenizer.json ('),
     (_break_config, 'speclm.run: error: Loading the target model failed: {model}/config.json is'
                     ' not valid JSON ('),
     (_drop_key, "speclm.run: error: Loading the target model failed: {model}/config.json lacks"

@@ -75,8 +75,8 @@ def reading(path: str | os.PathLike, *, key: str | None = None,
     raise
   except json.JSONDecodeError as e:
     raise CheckpointError(
-        f'{os.fspath(path)} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno});'
-        f' the {what} is truncated or corrupt: download or write it again.', path=path,
+        f'{os.fspath(path)} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno});'
+        ' the file is truncated or corrupt: download or write it again.', path=path,
         key=key) from e
   except UnicodeDecodeError as e:
     raise CheckpointError(f'{os.fspath(path)} is not UTF-8 text (byte {e.start}); the {what}'
