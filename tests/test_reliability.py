@@ -385,7 +385,9 @@ def test_11_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path):
 # cli.py such a handler is the leak itself (the exception would reach absl as a traceback).
 # And what absl calls, cli.main and cli._parse_flags (which runs before main), must each end
 # in that catch-all: a `try` with an `except Exception` (or BaseException) whose body calls
-# `_fail`, and no statement after it.
+# `_fail`, and no statement after it. In every module of speclm/run/, a handler that catches
+# interrupts (a bare `except:`, BaseException, KeyboardInterrupt) must end in a `raise` or
+# `_fail`: swallowing one would turn Ctrl-C or SIGTERM into a silent exit 0 mid-job.
 
 ENTRY_POINTS = ('main', '_parse_flags')
 
@@ -409,9 +411,34 @@ def _calls_fail(handler: ast.ExceptHandler) -> bool:
              for n in ast.walk(ast.Module(body=handler.body, type_ignores=[])))
 
 
+def _catches_interrupts(handler: ast.ExceptHandler) -> bool:
+  if handler.type is None:
+    return True
+  types = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+  return any(isinstance(t, ast.Name) and t.id in ('BaseException', 'KeyboardInterrupt')
+             for t in types)
+
+
+def _ends_in_raise_or_fail(handler: ast.ExceptHandler) -> bool:
+  last = handler.body[-1]
+  return isinstance(last, ast.Raise) or (
+      isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+      and isinstance(last.value.func, ast.Name) and last.value.func.id == '_fail')
+
+
 def leaks(run_dir: str) -> list[str]:
-  """The places in the job layer where an exception can escape without its one line."""
+  """The places in the job layer where an exception can escape without its one line, or an
+  interrupt is swallowed."""
   problems = []
+  for name in sorted(os.listdir(run_dir)):
+    if not name.endswith('.py'):
+      continue
+    with open(os.path.join(run_dir, name), encoding='utf-8') as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.ExceptHandler) and _catches_interrupts(node)
+          and not _ends_in_raise_or_fail(node)):
+        problems.append(f'{name}:{node.lineno}: the handler swallows Ctrl-C / SIGTERM')
   with open(os.path.join(run_dir, 'cli.py'), encoding='utf-8') as f:
     cli_tree = ast.parse(f.read())
   for node in ast.walk(cli_tree):
@@ -448,6 +475,19 @@ def test_no_exception_leaves_the_job_layer_without_one_line(tmp_path):
       ''')
   (scratch / 'cli.py').write_text(leaky)
   assert any('the handler re-raises what it caught' in p for p in leaks(str(scratch)))
+  (scratch / 'cli.py').write_text(source)
+  job_source = (scratch / 'job.py').read_text(encoding='utf-8')
+  swallowing = job_source + textwrap.dedent('''
+      def _swallow():
+        try:
+          run_job()
+        except KeyboardInterrupt:
+          pass
+      ''')
+  (scratch / 'job.py').write_text(swallowing, encoding='utf-8')
+  handler_line = len(swallowing.splitlines()) - 1
+  assert leaks(str(scratch)) == [f'job.py:{handler_line}: the handler swallows Ctrl-C / SIGTERM']
+  (scratch / 'job.py').write_text(job_source, encoding='utf-8')
   unguarded = source.replace('except Exception as e:', 'except ImportError as e:')
   assert unguarded != source
   (scratch / 'cli.py').write_text(unguarded)
