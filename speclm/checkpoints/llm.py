@@ -67,4 +67,5 @@ def load_llm_tokenizer(path: str | os.PathLike) -> tokenizer_lib.Tokenizer:
     except tokenizer_lib.TokenizerFileError as e:  # a broken tokenizer file, named
       raise errors.CheckpointError(str(e), path=e.path, key=e.key) from e
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  return gguf.load_tokenizer(path)
+  with errors.reading(path, what='GGUF file'):
+    return gguf.load_tokenizer(path)
