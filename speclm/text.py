@@ -172,7 +172,7 @@ def encode_prompt(tok: tokenizer_lib.Tokenizer, prompt: Prompt, chat: bool | Non
                        ' none; give plain text instead.')
     ids = tok.encode_chat(prompt)
   else:
-    ids = [int(t) for t in prompt]
+    ids = _token_ids(prompt)
   if not ids:
     raise ValueError(f'The prompt {prompt!r} encodes to no tokens.')
   return ids
@@ -211,13 +211,45 @@ def check_draft_tokenizer(target: tokenizer_lib.Tokenizer | str | os.PathLike,
   return True
 
 
+def _token_ids(prompt: Any) -> list[int]:
+  """A prompt of token ids as a list of ints; anything but integers (floats that would be
+  truncated, strings, nested lists) is a ValueError saying what was found.
+
+  Args:
+    prompt: `[P]` integer ids (a list, tuple or integer NumPy array).
+  """
+  if isinstance(prompt, np.ndarray) and not (np.issubdtype(prompt.dtype, np.integer)
+                                             and prompt.ndim == 1):
+    raise ValueError(f'Token ids must be a 1-D integer array, got a {prompt.ndim}-D'
+                     f' {prompt.dtype} array; pass e.g. np.asarray(ids, np.int32).')
+  try:
+    items = list(prompt)
+  except TypeError:
+    raise ValueError(f'A prompt must be a string, a conversation or a list of token ids, got'
+                     f' {type(prompt).__name__} {prompt!r}.') from None
+  for item in items:
+    if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+      raise ValueError(f'Token ids must be integers, got {item!r} ({type(item).__name__}) in'
+                       ' a prompt; pass integer ids (np.int32), or text.')
+  return [int(t) for t in items]
+
+
 def _as_prompt_list(prompts) -> list[Prompt]:
-  """`prompts` as a list of prompts (one string, conversation or id list becomes a list)."""
+  """`prompts` as a list of prompts (one string, conversation or id list becomes a list).
+
+  An integer array is one prompt `[P]` or a batch `[B, P]`; a float array is a ValueError (its
+  ids would be truncated)."""
   if isinstance(prompts, str) or _is_conversation(prompts):
     return [prompts]
+  if isinstance(prompts, np.ndarray) and not np.issubdtype(prompts.dtype, np.integer):
+    raise ValueError(f'Token ids must be integers, got a {prompts.dtype} array of shape'
+                     f' {prompts.shape}; pass np.asarray(ids, np.int32), or text.')
   prompts = list(prompts)
   if prompts and all(isinstance(p, (int, np.integer)) for p in prompts):
     return [prompts]  # one prompt of token ids
+  if prompts and all(isinstance(p, (int, float, np.number)) for p in prompts):
+    raise ValueError(f'Token ids must be integers, got {prompts[:4]!r}; pass integer ids'
+                     ' (np.int32), or text.')
   if not prompts:
     raise ValueError('No prompts: give a string, or a list of strings or token-id lists.')
   return prompts

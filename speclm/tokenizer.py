@@ -12,7 +12,13 @@ end-of-sequence id, and decoding of `DecodeResult`s back to text. It is built ei
 
 Chat templates are Jinja programs stored with the model; `render_chat` runs them in a
 sandboxed `jinja2` environment with the settings transformers uses (trim_blocks,
-lstrip_blocks), so the prompt text is the one the model was tuned on.
+lstrip_blocks), so the prompt text is the one the model was tuned on. A template is a program
+from the checkpoint, so its rendering is bounded: at most `MAX_RENDERED_CHARS` characters (of
+output, and of any string it builds) and `MAX_RENDER_SECONDS` seconds; past either, or on
+anything the sandbox blocks, `ChatTemplateError` says which template and why.
+
+A tokenizer file that cannot be read (truncated JSON, a corrupt `tokenizer.json`) is a
+`TokenizerFileError` naming it; `speclm.checkpoints.llm` passes it on as a `CheckpointError`.
 
     tok = gguf.load_tokenizer(path)        # speclm.checkpoints.gguf
     prompts, lengths = tok.batch([tok.encode_chat('What is 2 + 2?'), tok.encode('Once upon')])
@@ -23,13 +29,38 @@ lstrip_blocks), so the prompt text is the one the model was tuned on.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 _SETUP_HINT = 'Install it with `pip install tokenizers jinja2` (speclm extra: `speclm[hf]`).'
+
+# Bounds on one chat template rendering (a template is code shipped with a checkpoint).
+MAX_RENDERED_CHARS = 1_000_000
+MAX_RENDER_SECONDS = 5.0
+
+
+class TokenizerFileError(ValueError):
+  """A tokenizer file that exists but cannot be read; the message (one line) names it.
+
+  Attributes:
+    path: the file.
+    key: the entry at fault, when one is (None for the whole file).
+  """
+
+  def __init__(self, message: str, *, path: str, key: str | None = None):
+    super().__init__(' '.join(message.split()))
+    self.path = path
+    self.key = key
+
+
+class ChatTemplateError(ValueError):
+  """A chat template that failed, ran too long, built too much text or was stopped by the
+  sandbox; the message (one line) names the template's file when known."""
 
 # GPT-2's split of text into words, numbers, punctuation runs and whitespace.
 _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -63,6 +94,7 @@ class Tokenizer:
       that ends a reply; pass it to the decode loops.
     add_bos: whether `encode` prepends `bos_id` by default (GGUF `add_bos_token`).
     chat_template: the Jinja chat template, or None.
+    chat_template_source: the file the template came from (named in its errors), or None.
     space_prefix: whether `encode` puts a space before the text (SentencePiece's dummy
       prefix, on the whole text: before special tokens too).
     extra_end_ids: the model's other tokens that end a reply (a chat model's end of turn,
@@ -73,8 +105,9 @@ class Tokenizer:
   def __init__(self, backend, *, bos_id: int | None = None, eos_id: int | None = None,
                pad_id: int | None = None, add_bos: bool = False,
                chat_template: str | None = None, space_prefix: bool = False,
-               end_ids: Iterable[int] = ()):
+               end_ids: Iterable[int] = (), chat_template_source: str | None = None):
     self.backend = backend
+    self.chat_template_source = chat_template_source
     self.space_prefix = space_prefix
     self.extra_end_ids = tuple(int(i) for i in end_ids)
     self.bos_id = bos_id
@@ -140,7 +173,7 @@ class Tokenizer:
       messages = [{'role': 'user', 'content': messages}]
     if not self.chat_template:
       raise ValueError('This tokenizer has no chat template; encode plain text with `encode`.')
-    return _render(self.chat_template, messages=list(messages),
+    return _render(self.chat_template, self.chat_template_source, messages=list(messages),
                    add_generation_prompt=add_generation_prompt,
                    bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id),
                    **extra)
@@ -185,7 +218,13 @@ class Tokenizer:
     path = os.fspath(path)
     if not os.path.isfile(path):
       raise FileNotFoundError(f'No tokenizer file at {path!r}.')
-    backend = tokenizers.Tokenizer.from_file(path)
+    try:
+      backend = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except  # the library raises bare Exception
+      reason = ' '.join(str(e).split()) or type(e).__name__
+      raise TokenizerFileError(f'{path} is not a readable tokenizer.json ({reason}); the file is'
+                               ' truncated or corrupt: download or write it again.',
+                               path=path) from e
     config = dict(config or {})
 
     def special(key):
@@ -208,22 +247,42 @@ class Tokenizer:
     directory = os.fspath(directory)
     config: dict[str, Any] = {}
     config_path = os.path.join(directory, 'tokenizer_config.json')
+    source = None
     if os.path.isfile(config_path):
-      with open(config_path, encoding='utf-8') as f:
-        config = json.load(f)
+      config = _read_json_object(config_path)
+      source = config_path
     template_path = os.path.join(directory, 'chat_template.jinja')
     if 'chat_template' not in config and os.path.isfile(template_path):
       with open(template_path, encoding='utf-8') as f:
         config['chat_template'] = f.read()
+      source = template_path
     tok = cls.from_tokenizer_json(os.path.join(directory, 'tokenizer.json'), config)
+    tok.chat_template_source = source if tok.chat_template else None
     generation_path = os.path.join(directory, 'generation_config.json')
     if os.path.isfile(generation_path):
-      with open(generation_path, encoding='utf-8') as f:
-        ends = json.load(f).get('eos_token_id')
+      ends = _read_json_object(generation_path).get('eos_token_id')
       if ends is not None:
         ends = [ends] if isinstance(ends, int) else ends
         tok.extra_end_ids += tuple(int(i) for i in ends)
     return tok
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+  """The JSON object in the file at `path`; a truncated or malformed file is a
+  `TokenizerFileError` naming it (line and column)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      value = json.load(f)
+  except json.JSONDecodeError as e:
+    raise TokenizerFileError(f'{path} is not valid JSON ({e.msg}: line {e.lineno} column'
+                             f' {e.colno}); the file is truncated or corrupt: download or write'
+                             ' it again.', path=path) from e
+  except UnicodeDecodeError as e:
+    raise TokenizerFileError(f'{path} is not UTF-8 text (byte {e.start}).', path=path) from e
+  if not isinstance(value, dict):
+    raise TokenizerFileError(f'{path} holds a JSON {type(value).__name__}, not an object.',
+                             path=path)
+  return value
 
 
 def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str = 'default', *,
@@ -322,7 +381,97 @@ def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], types: Seq
   return backend
 
 
-def _render(template: str, **variables: Any) -> str:
+class _RenderBudget:
+  """The time and size left to one rendering; `check` raises `ChatTemplateError` past either."""
+
+  def __init__(self, source: str | None):
+    self.source = source or 'the chat template'
+    self.deadline = time.monotonic() + MAX_RENDER_SECONDS
+
+  def fail(self, reason: str) -> ChatTemplateError:
+    return ChatTemplateError(f'The chat template of {self.source} {reason}; fix the template'
+                             ' (or pass chat=False / use a plain-text vocabulary).')
+
+  def check(self, *values: Any) -> None:
+    """Raises if the deadline passed or any of `values` is a string/list over the size cap."""
+    if time.monotonic() > self.deadline:
+      raise self.fail(f'ran longer than {MAX_RENDER_SECONDS:g} s (a loop without end?)')
+    for value in values:
+      if isinstance(value, (str, list, tuple)) and len(value) > MAX_RENDERED_CHARS:
+        raise self.fail(f'built a value of {len(value):,} items, over the'
+                        f' {MAX_RENDERED_CHARS:,} allowed')
+
+
+def _bounded_environment(sandbox, jinja2_utils, budget: _RenderBudget):
+  """A jinja2 `ImmutableSandboxedEnvironment` whose calls, filters, `range`, `*` and `**`
+  check `budget`: a template can neither loop nor grow a string without bound."""
+
+  class Bounded(sandbox.ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(['*', '**'])
+
+    def call(self, __context, __obj, *args, **kwargs):  # pylint: disable=no-self-argument
+      budget.check(*args, *kwargs.values())
+      result = super().call(__context, __obj, *args, **kwargs)
+      budget.check(result)
+      return result
+
+    def call_binop(self, context, operator, left, right):
+      budget.check()
+      if operator == '*' and (isinstance(left, (str, list)) or isinstance(right, (str, list))):
+        count = right if isinstance(left, (str, list)) else left
+        size = len(left if isinstance(left, (str, list)) else right)
+        if isinstance(count, int) and count * size > MAX_RENDERED_CHARS:
+          raise budget.fail(f'multiplies a sequence to {count * size:,} items')
+      if operator == '**' and isinstance(right, (int, float)) and abs(right) > 1024:
+        raise budget.fail(f'raises a number to the power {right}')
+      return super().call_binop(context, operator, left, right)
+
+  env = Bounded(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=False)
+
+  def bounded_range(*args):
+    for i, value in enumerate(sandbox.safe_range(*args)):
+      if i % 256 == 0:
+        budget.check()
+      yield value
+
+  class BoundedNamespace(jinja2_utils.Namespace):
+    """`namespace()` whose attributes (`{% set ns.s = … %}`) are size-checked."""
+
+    def __setitem__(self, name, value):
+      budget.check(value)
+      super().__setitem__(name, value)
+
+  env.globals['range'] = bounded_range
+  env.globals['namespace'] = BoundedNamespace
+  env.globals.pop('lipsum', None)
+  for name, function in list(env.filters.items()):
+    env.filters[name] = _bounded_filter(function, budget)
+  return env
+
+
+def _bounded_filter(function, budget: _RenderBudget):
+  """`function` (a jinja2 filter) checking `budget` before and after each call (wraps keeps
+  the attribute by which jinja2 passes it the environment or context)."""
+
+  @functools.wraps(function)
+  def bounded(*args, **kwargs):
+    budget.check(*args[1:])
+    if any(isinstance(a, int) and a > MAX_RENDERED_CHARS for a in (*args, *kwargs.values())):
+      raise budget.fail(f'asked the filter {function.__name__} for over'
+                        f' {MAX_RENDERED_CHARS:,} items')
+    result = function(*args, **kwargs)
+    budget.check(result)
+    return result
+
+  return bounded
+
+
+def _render(template: str, source: str | None = None, **variables: Any) -> str:
+  """`template` rendered with `variables` in a bounded sandbox (see the module docstring).
+
+  Raises:
+    ChatTemplateError: the template failed, was blocked by the sandbox, or passed a bound.
+  """
   try:
     import jinja2  # pylint: disable=import-outside-toplevel
     from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
@@ -335,9 +484,25 @@ def _render(template: str, **variables: Any) -> str:
   def strftime_now(fmt):
     return datetime.datetime.now().strftime(fmt)
 
-  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                              keep_trailing_newline=False)
+  budget = _RenderBudget(source)
+  env = _bounded_environment(sandbox, jinja2.utils, budget)
   env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-  env.filters['tojson'] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
-                                                                indent=indent)
-  return env.from_string(template).render(**variables)
+  env.filters['tojson'] = _bounded_filter(
+      lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent), budget)
+  try:
+    parts, size = [], 0
+    for chunk in env.from_string(template).generate(**variables):
+      size += len(chunk)
+      if size > MAX_RENDERED_CHARS:
+        raise budget.fail(f'wrote over {MAX_RENDERED_CHARS:,} characters')
+      budget.check()
+      parts.append(chunk)
+  except ChatTemplateError:
+    raise
+  except sandbox.SecurityError as e:
+    raise budget.fail(f'was stopped by the sandbox ({" ".join(str(e).split())})') from e
+  except (jinja2.TemplateError, RecursionError, MemoryError, TypeError, ValueError,
+          ArithmeticError, LookupError, AttributeError) as e:
+    reason = ' '.join(str(e).split()) or type(e).__name__
+    raise budget.fail(f'failed: {type(e).__name__}: {reason}') from e
+  return ''.join(parts)

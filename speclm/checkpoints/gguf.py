@@ -58,6 +58,7 @@ import numpy as np
 
 from speclm import protocol
 from speclm import tokenizer
+from speclm.checkpoints import errors
 from speclm.checkpoints import hf_llama
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
@@ -160,8 +161,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     raise FileNotFoundError(f'No GGUF file at {path!r}.')
   try:
     reader = gguf.GGUFReader(path, 'r')
-  except Exception as e:  # the reader raises ValueError/struct.error/… on a bad file
-    raise ValueError(f'{path!r} is not a readable GGUF file: {e}') from e
+  except Exception as e:  # the reader raises ValueError/IndexError/… on a bad file
+    raise errors.CheckpointError(f'{path} is not a readable GGUF file: {_diagnose(path, e)}',
+                                 path=path) from e
   metadata = {}
   for key, field in reader.fields.items():
     if key in _LARGE_ARRAYS:
@@ -172,6 +174,44 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
       continue
   tensors = {t.name: t for t in reader.tensors}
   return GGUFFile(path=path, metadata=metadata, tensors=tensors, _reader=reader)
+
+
+def _diagnose(path: str, error: Exception) -> str:
+  """Why `gguf.GGUFReader` could not open `path`, in the file's terms: the tensor whose data
+  runs past the end of a truncated file, or a header that ends early, rather than the numpy
+  message the reader fails with ('cannot reshape array of size …')."""
+  size = os.path.getsize(path)
+  try:
+    extents = _tensor_extents(path)
+  except Exception:  # pylint: disable=broad-except  # the header itself is unreadable
+    if isinstance(error, ValueError) and 'reshape' not in str(error):
+      return errors.describe(error)  # the reader's own words: bad magic, unknown version, …
+    return (f'the file ends (at {size:,} bytes) inside its header (metadata or tensor list):'
+            ' it is truncated or corrupt; download it again.')
+  for name, start, length in extents:
+    if start + length > size:
+      return (f'tensor {name!r} needs bytes {start:,} to {start + length:,}, but the file ends'
+              f' at {size:,}: it is truncated; download it again.')
+  return errors.describe(error)
+
+
+def _tensor_extents(path: str) -> list[tuple[str, int, int]]:
+  """(name, first byte, byte count) of every tensor the header of `path` lists, read with the
+  `gguf` package's own header parser but without touching the tensor data."""
+  gguf = _gguf()
+  extents = []
+
+  class HeaderOnly(gguf.GGUFReader):
+    def _build_tensors(self, start_offs, fields):  # pylint: disable=arguments-differ
+      for field in fields:
+        _, name, _, dims, raw_type, offset = field.parts
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+        count = int(np.prod([int(d) for d in dims]))
+        extents.append((bytes(name).decode('utf-8', 'replace'),
+                        int(start_offs + offset[0]), count * type_size // block))
+
+  HeaderOnly(path, 'r')
+  return extents
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -338,7 +378,14 @@ def _gemma_fields(md: Mapping[str, Any], arch: str, num_layers: int, width_per_h
 
 def read_config(path: str | os.PathLike, *, dtype: str = 'float32') -> llama.LlamaConfig:
   """The `LlamaConfig` of a GGUF file, without decoding any tensor."""
-  return config_from_gguf(open_gguf(path), dtype=dtype)
+  file = open_gguf(path)
+  with _naming(file.path):
+    return config_from_gguf(file, dtype=dtype)
+
+
+def _naming(path: str):
+  """A context in which a ValueError or KeyError becomes a `CheckpointError` naming `path`."""
+  return errors.reading(path, what='GGUF file')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,9 +464,10 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   file = source if isinstance(source, GGUFFile) else open_gguf(source)
-  config = config_from_gguf(file, dtype=dtype)
-  params = params_from_gguf(file, config)
-  check_finite(params, file.path, error=ValueError)
+  with _naming(file.path):
+    config = config_from_gguf(file, dtype=dtype)
+    params = params_from_gguf(file, config)
+  check_finite(params, file.path, error=errors.CheckpointError)
   definition = llama.Llama(config)
   params = {k: _to_jax(v, jnp) for k, v in params.items()}
   definition.validate_params(params)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 from typing import Any, Mapping
 
@@ -40,6 +39,7 @@ import numpy as np
 
 from speclm import protocol
 from speclm import trees
+from speclm.checkpoints import errors
 from speclm.checkpoints import safetensors_io
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
@@ -60,7 +60,7 @@ def read_directory_weights(directory: str | os.PathLike) -> Mapping[str, np.ndar
     hint = (' It holds only pickled PyTorch weights, which speclm never loads (unpickling runs'
             ' arbitrary code); convert them to safetensors first.') if pickled else ''
     raise FileNotFoundError(f'No *.safetensors files in {directory!r}.{hint}')
-  return safetensors_io.Tensors(files)
+  return safetensors_io.Tensors(files, error=errors.CheckpointError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +145,25 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = 'float32',
                    tie_embeddings: bool | None = None) -> llama.LlamaConfig:
   """A `LlamaConfig` from a HF `config.json` dictionary (transformers 4.x or 5.x keys) of any
   family in `MODEL_TYPES`; `max_position_embeddings` is the model's context length (None
-  when absent)."""
+  when absent). A key the family needs and `hf` lacks is a `CheckpointError` naming it."""
+  if not isinstance(hf, Mapping):
+    raise errors.CheckpointError(f'config.json holds a {type(hf).__name__}, not a JSON object.')
+  try:
+    return _config_from_hf(hf, dtype=dtype, tie_embeddings=tie_embeddings)
+  except KeyError as e:
+    key = e.args[0] if e.args else '?'
+    raise errors.CheckpointError(
+        f'config.json lacks {key!r}, which a {hf.get("model_type", "llama")} model needs; the'
+        ' file is incomplete (compare it with the original checkpoint).', key=key) from None
+  except (TypeError, ValueError) as e:
+    if isinstance(e, errors.CheckpointError):
+      raise
+    raise errors.CheckpointError(errors.describe(e)) from e
+
+
+def _config_from_hf(hf: Mapping[str, Any], *, dtype: str,
+                    tie_embeddings: bool | None) -> llama.LlamaConfig:
+  """`config_from_hf` without its error translation (a KeyError for a missing key)."""
   family = family_of(hf)
   if hf.get('model_type') == 'gemma3':  # multimodal: the language model's own config
     hf = {'model_type': 'gemma3_text', **hf.get('text_config', {})}
@@ -326,10 +344,12 @@ def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig)
   flat = {}
   for ours, (theirs, layout, shape) in names.items():
     if theirs not in weights:
-      raise ValueError(f'The checkpoint lacks {theirs!r}.')
+      raise errors.CheckpointError(f'The checkpoint lacks the tensor {theirs!r}.', key=theirs)
     x = np.asarray(weights[theirs])
     if x.shape != shape:
-      raise ValueError(f'{theirs!r} has shape {x.shape}, the config expects {shape}.')
+      raise errors.CheckpointError(f'Tensor {theirs!r} has shape {x.shape}, but config.json'
+                                   f' implies {shape}; the weights and the config do not'
+                                   ' belong together.', key=theirs)
     flat[ours] = np.ascontiguousarray(_to_ours(x.astype(np.float32), layout, config)
                                       ).astype(target)
   used = {theirs for theirs, _, _ in names.values()}
@@ -462,13 +482,24 @@ def subset_draft_to_transformers(draft: protocol.Model):
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-  """`config.json` of a HF checkpoint directory as a dictionary."""
+  """`config.json` of a HF checkpoint directory as a dictionary (a truncated file is a
+  `CheckpointError` naming it)."""
   path = os.path.join(os.fspath(directory), 'config.json')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'No config.json in {os.fspath(directory)!r}: not a Hugging Face'
                             ' checkpoint directory.')
-  with open(path, encoding='utf-8') as f:
-    return json.load(f)
+  return errors.read_json(path, what='config.json')
+
+
+def read_model_config(directory: str | os.PathLike, *, dtype: str = 'float32'
+                      ) -> llama.LlamaConfig:
+  """`config_from_hf(read_config(directory))`; every error names the `config.json` file."""
+  path = os.path.join(os.fspath(directory), 'config.json')
+  hf = read_config(directory)
+  try:
+    return config_from_hf(hf, dtype=dtype)
+  except ValueError as e:
+    raise errors.at_path(e, path, name='config.json') from e
 
 
 def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> protocol.Model:
@@ -479,14 +510,16 @@ def load_model(directory: str | os.PathLike, *, dtype: str = 'float32') -> proto
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  hf = read_config(directory)
-  config = config_from_hf(hf, dtype=dtype)  # validates before any weight is read
+  config = read_model_config(directory, dtype=dtype)  # validates before any weight is read
   weights = read_directory_weights(directory)
   if not config.tie_embeddings and not {'lm_head.weight', 'language_model.lm_head.weight'} & set(
       weights):
     config = dataclasses.replace(config, tie_embeddings=True)
-  params = params_from_hf(weights, config)
-  check_finite(params, os.fspath(directory), error=ValueError)
+  try:
+    params = params_from_hf(weights, config)
+  except ValueError as e:  # a missing, extra or misshapen tensor: say which checkpoint
+    raise errors.at_path(e, directory) from e
+  check_finite(params, os.fspath(directory), error=errors.CheckpointError)
   params = _to_jax(params, jnp)
   definition = llama.Llama(config)
   definition.validate_params(params)

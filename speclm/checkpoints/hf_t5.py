@@ -35,7 +35,6 @@ always writes `tie_word_embeddings: true` and marks v1.0 by `scale_decoder_outpu
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any
 
@@ -43,8 +42,9 @@ import numpy as np
 
 from speclm import protocol
 from speclm import trees
+from speclm.checkpoints import errors
 from speclm.checkpoints import safetensors_io
-from speclm.checkpoints.t5x import CheckpointError
+from speclm.checkpoints.errors import CheckpointError
 from speclm.checkpoints.validate import check_finite
 from speclm.models import t5
 
@@ -150,19 +150,15 @@ def read_hf_config(directory: str | os.PathLike) -> dict:
   path = os.path.join(os.fspath(directory), 'config.json')
   if not os.path.isfile(path):
     raise CheckpointError(f'Not a Hugging Face model directory (no config.json): {path}')
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f'Corrupt config.json: {path} ({e})') from e
+  return errors.read_json(path, what='config.json')
 
 
 def _open_tensors(directory: str) -> safetensors_io.Tensors:
   """name -> tensor (read when used) over every safetensors shard of `directory`."""
   index_path = os.path.join(directory, 'model.safetensors.index.json')
   if os.path.isfile(index_path):
-    with open(index_path) as f:
-      weight_map = json.load(f)['weight_map']
+    with errors.reading(index_path, what='safetensors index'):
+      weight_map = errors.read_json(index_path, what='safetensors index')['weight_map']
     files = sorted(set(weight_map.values()))
   else:
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory,
@@ -231,7 +227,8 @@ def load_hf_t5(directory: str | os.PathLike, *, dtype: str = 'float32',
   if not os.path.isdir(directory):
     raise CheckpointError(f'Hugging Face model directory not found: {directory}')
   hf_config = read_hf_config(directory)
-  from_file = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+  with errors.reading(os.path.join(directory, 'config.json'), what='config.json'):
+    from_file = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
   if config is None:
     config = from_file
   else:

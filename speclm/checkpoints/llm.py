@@ -6,7 +6,9 @@
 
 `path` is a directory holding `config.json` and `*.safetensors` (`hf_llama`: Llama, Mistral,
 Qwen2/2.5, Qwen3, Gemma 2, Gemma 3) or a `.gguf` file (`gguf`: the same families under
-llama.cpp's architecture names). Anything else is a clear error naming both.
+llama.cpp's architecture names). Anything else is a clear error naming both. A missing path is a
+FileNotFoundError; a broken file (truncated, corrupt, inconsistent) is a
+`speclm.checkpoints.errors.CheckpointError` naming the file, and the tensor or key.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 
 from speclm import protocol
 from speclm import tokenizer as tokenizer_lib
+from speclm.checkpoints import errors
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
@@ -30,7 +33,8 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
     with open(path, 'rb') as f:
       if f.read(4) == b'GGUF':
         return 'gguf'
-    raise ValueError(f'{path!r} is neither a GGUF file nor a Hugging Face checkpoint directory.')
+    raise errors.CheckpointError(f'{path!r} is neither a GGUF file nor a Hugging Face checkpoint'
+                                 ' directory.', path=path)
   raise FileNotFoundError(f'No checkpoint at {path!r} (expected a Hugging Face directory or a'
                           ' .gguf file).')
 
@@ -48,7 +52,7 @@ def read_llm_config(path: str | os.PathLike):
   """The `speclm.models.llama.LlamaConfig` of the checkpoint at `path`, no weight read."""
   if checkpoint_kind(path) == 'hf':
     from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
-    return hf_llama.config_from_hf(hf_llama.read_config(path))
+    return hf_llama.read_model_config(path)
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
   return gguf.read_config(path)
 
@@ -58,6 +62,10 @@ def load_llm_tokenizer(path: str | os.PathLike) -> tokenizer_lib.Tokenizer:
   `tokenizer_config.json` chat template) in a Hugging Face directory, the metadata of a GGUF
   file."""
   if checkpoint_kind(path) == 'hf':
-    return tokenizer_lib.Tokenizer.from_pretrained_dir(path)
+    try:
+      return tokenizer_lib.Tokenizer.from_pretrained_dir(path)
+    except tokenizer_lib.TokenizerFileError as e:  # a broken tokenizer file, named
+      raise errors.CheckpointError(str(e), path=e.path, key=e.key) from e
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  return gguf.load_tokenizer(path)
+  with errors.reading(path, what='GGUF file'):
+    return gguf.load_tokenizer(path)

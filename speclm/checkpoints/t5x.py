@@ -42,6 +42,7 @@ import msgpack
 import numpy as np
 
 from speclm import trees
+from speclm.checkpoints import errors
 from speclm.checkpoints import zarr_v2
 from speclm.checkpoints.validate import CheckpointError
 from speclm.checkpoints.validate import check_finite
@@ -658,8 +659,10 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
 
 
 def load_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
-  """A T5X checkpoint in either format: Orbax if its metadata is there, else legacy msgpack."""
+  """A T5X checkpoint in either format: Orbax if its metadata is there, else legacy msgpack.
+  Any failure reading it is a `CheckpointError` naming `path` (`errors.reading`)."""
   path = os.fspath(path)
-  if not _exists(_join(path, 'checkpoint')) and is_orbax_checkpoint(path):
-    return load_orbax_checkpoint(path, expected=expected, dtype=dtype)
-  return load_t5x_checkpoint(path, expected=expected, dtype=dtype)
+  with errors.reading(path, what='T5X checkpoint'):
+    if not _exists(_join(path, 'checkpoint')) and is_orbax_checkpoint(path):
+      return load_orbax_checkpoint(path, expected=expected, dtype=dtype)
+    return load_t5x_checkpoint(path, expected=expected, dtype=dtype)

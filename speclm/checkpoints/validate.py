@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-class CheckpointError(ValueError):
-  """A missing, truncated, corrupt or mismatched checkpoint; the message names the path."""
+from speclm.checkpoints.errors import CheckpointError  # the one checkpoint error
 
 _BLOCK = 1 << 22  # elements per host block (16 MiB of float32)
 

@@ -124,8 +124,8 @@ def read_examples(path: str, *, format: str = 'auto', input_field: str = 'input'
   examples: list[Example] = []
   with open(path, 'rb') as f:
     for line_number, raw in enumerate(f, start=1):
-      try:
-        line = raw.decode('utf-8')
+      try:  # a byte order mark (UTF-8 BOM) at the start of the file is not part of the input
+        line = raw.decode('utf-8-sig' if line_number == 1 else 'utf-8')
       except UnicodeDecodeError as e:
         raise DataError(f'{path}:{line_number} is not UTF-8 (byte {raw[e.start]:#04x} at column'
                         f' {e.start + 1}); save the file as UTF-8.') from None
@@ -143,6 +143,11 @@ def read_examples(path: str, *, format: str = 'auto', input_field: str = 'input'
         if not isinstance(record, dict) or input_field not in record:
           raise DataError(f'{where} has no {input_field!r} field (set the input field name with'
                           ' file_dataset.input_field).')
+        if not isinstance(record[input_field], str):
+          value = record[input_field]
+          kind = 'null' if value is None else f'a JSON {type(value).__name__} ({value!r:.40})'
+          raise DataError(f'{where}: the {input_field!r} field is {kind}, not a string; every'
+                          ' input must be text.')
         fields = {'input': record[input_field]}
         if id_field in record:
           fields['id'] = record[id_field]

@@ -18,7 +18,28 @@ class BadLogitsError(JobError):
 
 
 class Interrupted(JobError):
-  """Ctrl-C during a job: what was recorded stays, and rerunning the command resumes."""
+  """Ctrl-C (or SIGTERM) during a job: what was recorded stays, and rerunning resumes."""
+
+
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (a batch scheduler's or `timeout`'s stop), raised in the main thread by the
+  command line's handler so the job stops as on Ctrl-C: records flushed, one line."""
+
+
+def unexpected(error: BaseException, what: str | None = None) -> JobError:
+  """An exception of no known kind (a bug, or a library's own error) as a one-line JobError:
+  its type and first line, and how to see the traceback.
+
+  Args:
+    error: the exception.
+    what: the step that raised it ('Loading the target model'), or None.
+  """
+  lines = [line.strip() for line in str(error).splitlines()
+           if line.strip() and not line.strip().startswith(('In call to configurable',
+                                                            'In scope'))]
+  detail = f'{type(error).__name__}: {lines[0]}' if lines else type(error).__name__
+  where = f'{what} failed: ' if what else ''
+  return JobError(f'{where}{detail} (rerun with --verbose for the traceback).')
 
 
 def check_path(path: str, what: str) -> None:

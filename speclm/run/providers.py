@@ -422,7 +422,11 @@ def _accepted_kwargs(provider: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
-  """Calls a provider (or passes a ready object through), turning user errors into JobError.
+  """Calls a provider (or passes a ready object through), turning every error into JobError.
+
+  A known kind (a missing file or setting, bad data, a broken checkpoint: `CheckpointError`)
+  becomes its message; any other exception `errors.unexpected`'s one line, its cause kept for
+  `--verbose`. KeyboardInterrupt passes (the job reports it as `Interrupted`).
 
   `kwargs` (e.g. the job's partitioner and the model's role) go to providers that accept them.
   """
@@ -436,11 +440,13 @@ def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
   except TypeError:
     missing = _missing_setting(provider, kwargs)
     if missing is None:
-      raise
+      raise errors.unexpected(e, what) from e
     raise JobError(f'{what}: {missing} is not set. Set it in a gin file ({missing} = …) or on the'
                    f' command line (--gin.{missing}=…).') from None
-  except ValueError as e:
-    raise JobError(f'{what} failed: {_first_paragraph(e)}') from None
+  except ValueError as e:  # CheckpointError, TokenizerFileError, ChatTemplateError among them
+    raise JobError(f'{what} failed: {_first_paragraph(e)}') from e
+  except Exception as e:  # pylint: disable=broad-except  # anything else: still one line
+    raise errors.unexpected(e, what) from e
   if expected is not None and not isinstance(value, expected):
     raise JobError(f'{what} returned {type(value).__name__}, expected {expected.__name__}.')
   return value
