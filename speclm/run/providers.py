@@ -437,7 +437,7 @@ def provide(provider: Any, what: str, expected: type | None = None, **kwargs):
     raise JobError(f'{what}: {e.message}') from None
   except (FileNotFoundError, inputs_lib.DataError, ImportError) as e:
     raise JobError(f'{what} failed: {_clean(e)}') from None
-  except TypeError:
+  except TypeError as e:
     missing = _missing_setting(provider, kwargs)
     if missing is None:
       raise errors.unexpected(e, what) from e
