@@ -27,7 +27,6 @@ from absl import flags
 
 import speclm
 from speclm import adaptive
-from speclm import decoding
 from speclm.data import builtin_prompts
 from speclm.models import llama
 from speclm.models import lookup
@@ -107,7 +106,7 @@ def main(argv):
     elif _MODE.value == 'adaptive':
       # `speculative_decode` runs the baseline loop for a rule that never drafts; a forced
       # γ = 0 profiles the adaptive loop's own γ = 0 rounds instead.
-      result = decoding._speculative_decode(  # pylint: disable=protected-access
+      result = speclm.speculative_decode(
           target, draft, tokens, lengths, gamma=adaptive_rule(),
           baseline_if_never_drafting=_FORCE_GAMMA.value is None, **kwargs)
     elif _MODE.value == 'tree':

@@ -12,9 +12,10 @@ the target cache holds C−1 positions and s_{C−1} is pending. One round:
   2. verify: one target `extend_tree` over [s_{C−1}, candidates…] gives p̃ at every node.
   3. accept (`speculative.tree_round`): recursive rejection over siblings walks down the
      tree; n candidates on one path are kept and one more token t is drawn.
-  4. append: `keep_tree_path` moves the kept path's keys/values together in both caches
-     (compaction), the target keeps C−1+n+1 positions, x_1 … x_n, t are appended and t
-     becomes pending. The next round sees ordinary caches.
+  4. append (`_keep_path`): `keep_tree_path` moves the kept path's keys/values together in
+     both caches (compaction), the target keeps C−1+n+1 positions, x_1 … x_n, t are appended
+     (`decode_common.commit_round`) and t becomes pending. The next round sees ordinary
+     caches.
 
 A chain (`TreeShape.chain(γ)`) takes the same steps and, with greedy sampling, writes the
 same tokens as `speculative_decode(gamma=γ)`.
@@ -30,13 +31,15 @@ Shape letters: B batch, N tree nodes (the root included), D depth, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from speclm import decoding
+from speclm import decode_common as common
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
@@ -56,7 +59,7 @@ def tree_speculative_decode(
     eos_id: int | Sequence[int] | None = None,
     pad_id: int = 0,
     cache_length: int | None = None,
-) -> decoding.DecodeResult:
+) -> common.DecodeResult:
   """Speculative decoding over a token tree: samples exactly from `target`.
 
   Same arguments as `speclm.speculative_decode`, with `tree` (a static
@@ -65,9 +68,9 @@ def tree_speculative_decode(
   With greedy sampling the output equals `autoregressive_decode(target, …)` token for token.
   """
   tree = token_trees.check_tree(tree)
-  prompts, lengths, limits = decoding._validate_common(  # pylint: disable=protected-access
+  prompts, lengths, limits = common.validate_inputs(
       target, prompt_tokens, prompt_lengths, sampling, max_new_tokens, seed, eos_id)
-  decoding.check_pair(target, draft)
+  common.check_pair(target, draft)
   for role, model in (('target', target), ('draft', draft)):
     definition = model.definition
     if isinstance(definition, protocol.FeatureConditionedDraft):
@@ -77,25 +80,23 @@ def tree_speculative_decode(
       raise ValueError(f'The {role} ({type(definition).__name__}) does not implement'
                        ' extend_tree, so it cannot verify token trees; use speculative_decode'
                        ' (a chain) or a model that does (Llama, T5, n-gram and lookup drafts).')
-    decoding._check_context(definition, role, lengths, limits)  # pylint: disable=protected-access
+    common.check_context(definition, role, lengths, limits)
   width = prompts.shape[1]
-  if int(draft.definition.prefix_length(width)) != int(target.definition.prefix_length(width)):
-    raise ValueError('The draft and target continue different sequences (a decoder-only model'
-                     ' and an encoder-decoder); pair models of one kind.')
+  common.check_same_prefix(target, draft, width)
   if _max_children(tree) > target.vocab_size:
     raise ValueError(f'The tree gives a node {_max_children(tree)} children, more than the'
                      f' vocabulary\'s {target.vocab_size} tokens.')
   max_new = int(limits.max())
-  capacity = lambda model, lookahead: decoding._capacity(  # pylint: disable=protected-access
+  capacity = lambda model, lookahead: common.cache_capacity(
       model.definition, width, max_new, lookahead, cache_length)
   result = _tree_jit(
       target.definition, draft.definition, target.params, draft.params, prompts, lengths,
-      limits, jax.random.key(seed), decoding.end_tokens(eos_id),
+      limits, jax.random.key(seed), common.end_tokens(eos_id),
       jnp.int32(pad_id), tree=tree, sampling=sampling,
       buffer_length=max_new + tree.depth + 1,
       target_capacity=capacity(target, tree.num_nodes),
       draft_capacity=capacity(draft, token_trees.draft_lookahead(tree) - 1))
-  return decoding._trim(result, max_new)  # pylint: disable=protected-access
+  return common.trim(result, max_new)
 
 
 def _max_children(tree) -> int:
@@ -143,7 +144,7 @@ def _draft_static_tree(draft_def, draft_params, cache, prev, pending, tree, samp
     draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :fed - 1]], axis=1)
     logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
                                           draft_def.rollback(cache, base))
-    bad |= decoding._bad(logits)  # pylint: disable=protected-access
+    bad |= common.bad_rows(logits)
     level = np.flatnonzero(depths == depth)  # target nodes at this depth
     level_logits = logits[:, level + 1]
     level_probs = sampling_lib.standardize(level_logits, sampling)
@@ -181,7 +182,7 @@ def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sam
     draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :end]], axis=1)
     logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
                                           draft_def.rollback(cache, base))
-    bad |= decoding._bad(logits)  # pylint: disable=protected-access
+    bad |= common.bad_rows(logits)
     level_logits = logits[:, level + 1]  # [B, M, V]
     node_probs = node_probs.at[:, level].set(sampling_lib.standardize(level_logits, sampling))
     # Expand the `width` nodes of this depth with the highest path probability (all of them
@@ -218,9 +219,9 @@ def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sam
 # Statistics
 
 
-def _count_tree_round(stats: decoding.DecodeStats, result: speculative.TreeRoundResult,
+def _count_tree_round(stats: common.DecodeStats, result: speculative.TreeRoundResult,
                       parents, node_probs, target_probs, active, good, draft_calls: int,
-                      max_children: int) -> decoding.DecodeStats:
+                      max_children: int) -> common.DecodeStats:
   """Adds one tree round: the accepted depth, β along the reached nodes, per-rank counts."""
   depth = result.path.shape[1]
   n = result.num_accepted
@@ -244,9 +245,9 @@ def _count_tree_round(stats: decoding.DecodeStats, result: speculative.TreeRound
   offered = jnp.sum(drafted_from[:, :, None]
                     & (children_of_reached[:, :, None] > rank_axis), axis=(0, 1))
   accepted = jnp.sum((kept_rank[:, :, None] == rank_axis) & good[:, None, None], axis=(0, 1))
-  stats = decoding.add_round(stats, num_accepted=n, active=active, good=good,
-                             beta_row=beta_row, count_row=count_row, drafted=depth,
-                             draft_calls=draft_calls)
+  stats = common.add_round(stats, num_accepted=n, active=active, good=good,
+                           beta_row=beta_row, count_row=count_row, drafted=depth,
+                           draft_calls=draft_calls)
   return stats.replace(rank_offered=stats.rank_offered + offered.astype(jnp.int32),
                        rank_accepted=stats.rank_accepted + accepted.astype(jnp.int32))
 
@@ -255,89 +256,108 @@ def _count_tree_round(stats: decoding.DecodeStats, result: speculative.TreeRound
 # The loop
 
 
+@dataclasses.dataclass(frozen=True)
+class _TreeLoop:
+  """What every round of one traced `_tree_loop` reads: the models, limits `[B]`, end tokens
+  `[E]`, and the static tree and sampling rule."""
+
+  target_def: protocol.LanguageModel
+  draft_def: protocol.LanguageModel
+  target_params: object
+  draft_params: object
+  limits: jax.Array
+  eos_id: jax.Array
+  tree: token_trees.TreeShape | token_trees.DynamicTree
+  sampling: sampling_lib.SamplingConfig
+
+
 def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, lengths, limits,
                rng, eos_id, pad_id, *, tree, sampling, buffer_length, target_capacity,
-               draft_capacity) -> decoding.DecodeResult:
+               draft_capacity) -> common.DecodeResult:
+  """Speculative rounds over `tree` in a while loop (the module docstring's steps 1–4)."""
   batch = prompts.shape[0]
-  depth = tree.depth
-  num_nodes = tree.num_nodes + 1  # with the root
   max_children = _max_children(tree)
   draft_cache = draft_def.init_cache(batch, draft_capacity)
   target_cache = target_def.init_cache(batch, target_capacity)
   _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
   logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
-  state = decoding._start(  # pylint: disable=protected-access
-      target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, depth,
+  state = common.start(
+      target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, tree.depth,
       logits=logits, target_cache=target_cache, draft_cache=draft_cache)
   stats = state.stats
   state = state.replace(stats=stats.replace(
       draft_calls=stats.draft_calls + 1,
       rank_offered=jnp.zeros((max_children,), jnp.int32),
       rank_accepted=jnp.zeros((max_children,), jnp.int32)))
-  stop_if_full = decoding._stop_if_full  # pylint: disable=protected-access
+  loop = _TreeLoop(target_def=target_def, draft_def=draft_def, target_params=target_params,
+                   draft_params=draft_params, limits=limits, eos_id=eos_id, tree=tree,
+                   sampling=sampling)
+  state = jax.lax.while_loop(lambda s: jnp.any(s.active), functools.partial(_tree_round, loop),
+                             state)
+  return common.finish(state, pad_id)
 
-  def round_(state: decoding._LoopState) -> decoding._LoopState:  # pylint: disable=protected-access
-    target_lengths = target_def.cache_lengths(state.target_cache)  # C−1
-    # The target writes N slots after C−1; the draft `draft_lookahead` after C−2.
-    reasons = stop_if_full(state.stop_reasons, target_lengths, num_nodes,
-                           target_def.cache_capacity(state.target_cache))
-    reasons = stop_if_full(reasons, target_lengths - 1, token_trees.draft_lookahead(tree),
-                           draft_def.cache_capacity(state.draft_cache))
-    state = state.replace(stop_reasons=reasons)
-    active = state.active
-    rng, draft_key, uniform_key, next_key = jax.random.split(state.rng, 4)
 
-    # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
-    draft_cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
-    if isinstance(tree, token_trees.TreeShape):
-      built = _draft_static_tree(draft_def, draft_params, draft_cache, state.prev_token,
-                                 state.pending_token, tree, sampling, draft_key)
-    else:
-      built = _draft_dynamic_tree(draft_def, draft_params, draft_cache, state.prev_token,
-                                  state.pending_token, tree, sampling)
-    tokens, parents, node_probs, proposals, draft_cache, draft_bad, pool_index = built
-    # 2. One target call over the whole tree: p̃ at every node.
-    logits, target_cache = target_def.extend_tree(
-        target_params, tokens, token_trees.layout(parents), state.target_cache)
-    target_probs = sampling_lib.standardize(logits, sampling)
-    # 3. Walk down the tree by recursive rejection; n kept, one more token t drawn.
-    uniforms = jax.random.uniform(uniform_key, (batch, num_nodes))
-    result = speculative.tree_round(target_probs, tokens, parents, proposals, uniforms,
-                                    next_key, depth)
-    n = result.num_accepted
-    # 4. Compaction: the kept path's entries move next to the prefix in both caches.
-    root = jnp.zeros((batch, 1), jnp.int32)
-    target_cache = target_def.keep_tree_path(
-        target_cache, target_lengths, jnp.concatenate([root, result.path], axis=1))
-    target_cache = target_def.rollback(
-        target_cache, jnp.where(active, target_lengths + n + 1, target_lengths))
-    draft_path = (result.path if pool_index is None
-                  else jnp.take_along_axis(pool_index, result.path, axis=1))
-    draft_cache = draft_def.keep_tree_path(
-        draft_cache, target_lengths - 1,
-        jnp.concatenate([root, root + 1, draft_path + 1], axis=1))
-    path_tokens = jnp.take_along_axis(tokens, result.path, axis=1)  # [B, D]
-    offsets = jnp.arange(depth + 1)[None, :]
-    padded = jnp.concatenate([path_tokens, path_tokens[:, -1:]], axis=1)
-    new_tokens = jnp.where(offsets < n[:, None], padded, result.next_token[:, None])
-    bad = active & (decoding._bad(logits) | draft_bad)  # pylint: disable=protected-access
-    good = active & ~bad
-    appended, num_generated, reasons = decoding._append(  # pylint: disable=protected-access
-        state.replace(stop_reasons=jnp.where(bad, decoding.StopReason.BAD_LOGITS,
-                                             state.stop_reasons)),
-        new_tokens, n + 1, limits, eos_id)
-    prev = jnp.where(n > 0, jnp.take_along_axis(padded, jnp.maximum(n - 1, 0)[:, None],
-                                                axis=1)[:, 0], state.pending_token)
-    return state.replace(
-        tokens=appended, num_generated=num_generated,
-        prev_token=jnp.where(good, prev, state.prev_token),
-        pending_token=jnp.where(good, result.next_token, state.pending_token),
-        stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
-        stats=_count_tree_round(state.stats, result, parents, node_probs, target_probs, active,
-                                good, depth, max_children))
+def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
+  """One round for every row: the draft builds the tree, one target call verifies it,
+  recursive rejection keeps a path, both caches keep it, its tokens are appended."""
+  tree, sampling = loop.tree, loop.sampling
+  batch, depth, num_nodes = state.tokens.shape[0], tree.depth, tree.num_nodes + 1
+  # The target writes N slots after C−1; the draft `draft_lookahead` after C−2.
+  state, target_lengths, active, keys = common.begin_round(
+      state, loop.target_def, loop.draft_def, num_nodes, token_trees.draft_lookahead(tree))
+  rng, draft_key, uniform_key, next_key = keys
+  # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
+  draft_cache = loop.draft_def.rollback(state.draft_cache, target_lengths - 1)
+  if isinstance(tree, token_trees.TreeShape):
+    built = _draft_static_tree(loop.draft_def, loop.draft_params, draft_cache, state.prev_token,
+                               state.pending_token, tree, sampling, draft_key)
+  else:
+    built = _draft_dynamic_tree(loop.draft_def, loop.draft_params, draft_cache,
+                                state.prev_token, state.pending_token, tree, sampling)
+  tokens, parents, node_probs, proposals, draft_cache, draft_bad, pool_index = built
+  # 2. One target call over the whole tree: p̃ at every node.
+  logits, target_cache = loop.target_def.extend_tree(
+      loop.target_params, tokens, token_trees.layout(parents), state.target_cache)
+  target_probs = sampling_lib.standardize(logits, sampling)
+  # 3. Walk down the tree by recursive rejection; n kept, one more token t drawn.
+  uniforms = jax.random.uniform(uniform_key, (batch, num_nodes))
+  result = speculative.tree_round(target_probs, tokens, parents, proposals, uniforms,
+                                  next_key, depth)
+  n = result.num_accepted
+  # 4. Compaction (`_keep_path`), then append x_1 … x_n, t as a chain does.
+  target_cache, draft_cache = _keep_path(loop, target_cache, draft_cache, target_lengths,
+                                         result, pool_index, active)
+  path_tokens = jnp.take_along_axis(tokens, result.path, axis=1)  # [B, D]
+  padded, new_tokens = common.round_tokens(path_tokens, n, result.next_token)
+  appended, num_generated, reasons, good, prev = common.commit_round(
+      state, active, padded, new_tokens, n, active & (common.bad_rows(logits) | draft_bad),
+      loop.limits, loop.eos_id)
+  return state.replace(
+      tokens=appended, num_generated=num_generated,
+      prev_token=jnp.where(good, prev, state.prev_token),
+      pending_token=jnp.where(good, result.next_token, state.pending_token),
+      stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
+      stats=_count_tree_round(state.stats, result, parents, node_probs, target_probs, active,
+                              good, depth, _max_children(tree)))
 
-  state = jax.lax.while_loop(lambda s: jnp.any(s.active), round_, state)
-  return decoding._finish(state, pad_id)  # pylint: disable=protected-access
+
+def _keep_path(loop: _TreeLoop, target_cache, draft_cache, target_lengths,
+               result: speculative.TreeRoundResult, pool_index, active) -> tuple:
+  """Compaction: the kept path's entries move next to the prefix in both caches, and the
+  target keeps C−1+n+1 positions (active rows). `pool_index` `[B, N]` maps a dynamic tree's
+  nodes to the draft's pool (None for a static tree). Returns (target cache, draft cache)."""
+  batch, n = result.path.shape[0], result.num_accepted
+  root = jnp.zeros((batch, 1), jnp.int32)
+  target_cache = loop.target_def.keep_tree_path(
+      target_cache, target_lengths, jnp.concatenate([root, result.path], axis=1))
+  target_cache = loop.target_def.rollback(
+      target_cache, jnp.where(active, target_lengths + n + 1, target_lengths))
+  draft_path = (result.path if pool_index is None
+                else jnp.take_along_axis(pool_index, result.path, axis=1))
+  draft_cache = loop.draft_def.keep_tree_path(
+      draft_cache, target_lengths - 1,
+      jnp.concatenate([root, root + 1, draft_path + 1], axis=1))
+  return target_cache, draft_cache
 
 
 _tree_jit = jax.jit(

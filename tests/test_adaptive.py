@@ -17,6 +17,7 @@ import pytest
 
 import speclm
 from speclm import adaptive
+from speclm import decode_common
 from speclm import decoding
 from speclm import run
 from speclm import testing
@@ -176,12 +177,12 @@ def test_skipped_rounds_keep_the_draft_in_step(target, prompts, baseline, schedu
   that read every round proposes (same γ schedule): same β, same acceptances. With the
   draft = the target, any state out of step would also show as α < 1."""
   rereads = []
-  real_reread = decoding._reread_draft  # pylint: disable=protected-access
+  real_reread = decode_common.reread_draft
 
   def counted(*args):
     jax.debug.callback(lambda: rereads.append(1))
     return real_reread(*args)
-  monkeypatch.setattr(decoding, '_reread_draft', counted)
+  monkeypatch.setattr(decode_common, 'reread_draft', counted)
   for draft in (target, lookup.lookup_first(_perturbed(target, 0.3, seed=1), min_ngram=1)):
     skipping, reading = (speclm.speculative_decode(target, draft, *prompts,
                                                     gamma=_rule(max_skip=skip),
@@ -262,13 +263,13 @@ def test_a_rule_that_never_drafts_runs_the_baseline(target, prompts, baseline, m
   draft = _perturbed(target, 0.3, seed=1)
   kwargs = dict(max_new_tokens=[MAX_NEW, 5, MAX_NEW, 12],
                 eos_id=int(np.asarray(baseline.tokens)[0, 9]))
-  rounds = decoding._speculative_decode(  # pylint: disable=protected-access
-      target, draft, *prompts, gamma=rule, baseline_if_never_drafting=False, **kwargs)
+  rounds = speclm.speculative_decode(target, draft, *prompts, gamma=rule,
+                                     baseline_if_never_drafting=False, **kwargs)
   plain = speclm.autoregressive_decode(target, *prompts, **kwargs)
 
   def no_loop(*args, **kw):
     raise AssertionError('the speculative loop ran')
-  monkeypatch.setattr(decoding, '_speculative_jit', no_loop)
+  monkeypatch.setattr(decoding, 'speculative_jit', no_loop)
   result = speclm.speculative_decode(target, draft, *prompts, gamma=rule, **kwargs)
   assert list(np.asarray(result.stop_reasons)) != [decoding.StopReason.MAX_NEW_TOKENS] * 4
   for other in (rounds, plain):
@@ -366,9 +367,9 @@ def test_rules_differing_only_in_costs_share_one_compiled_loop(target, prompts):
     result = speclm.speculative_decode(target, draft, *prompts, gamma=forcing(gamma),
                                        max_new_tokens=MAX_NEW)
     if gamma == 2:
-      compiled = decoding._speculative_jit._cache_size()  # pylint: disable=protected-access
+      compiled = decoding.speculative_jit._cache_size()  # pylint: disable=protected-access
     histograms.append(np.asarray(result.stats.gamma_histogram))
-  assert decoding._speculative_jit._cache_size() == compiled  # pylint: disable=protected-access
+  assert decoding.speculative_jit._cache_size() == compiled  # pylint: disable=protected-access
   for gamma, histogram in zip((2, 0, 3), histograms):
     assert histogram.sum() > 0 and histogram.sum() == histogram[gamma], (gamma, histogram)
 
@@ -397,7 +398,7 @@ def test_round_costs_arithmetic(monkeypatch, target):
     return made
   monkeypatch.setattr(costs_lib, '_extend_runner', runner)
   monkeypatch.setattr(costs_lib.benchmarking, 'interleaved_rounds', fake_rounds)
-  real_decode = costs_lib.decoding._speculative_decode  # pylint: disable=protected-access
+  real_decode = costs_lib.decoding.speculative_decode
 
   def counting(*args, gamma, baseline_if_never_drafting, **kwargs):
     # γ = 0 is timed on the loop's own rounds (a rule forcing it never drafts).
@@ -406,7 +407,7 @@ def test_round_costs_arithmetic(monkeypatch, target):
     forced = int(np.argmin(gamma.verify_costs))
     loops[forced] = int(result.stats.target_calls) - 1
     return result
-  monkeypatch.setattr(costs_lib.decoding, '_speculative_decode', counting)
+  monkeypatch.setattr(costs_lib.decoding, 'speculative_decode', counting)
   c, r = costs_lib.measure_round_costs(target, draft, max_gamma=3, context_length=6,
                                        num_new_tokens=new, repeats=1, max_skip=max_skip)
   assert c == pytest.approx(draft_step / step)

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = 'speclm'
 LAYERS = (
     ('foundations', ('speclm.sampling', 'speclm.protocol', 'speclm.trees', 'speclm.token_trees')),
-    ('core', ('speclm.speculative', 'speclm.decoding', 'speclm.adaptive',
+    ('core', ('speclm.speculative', 'speclm.decoding', 'speclm.decode_common', 'speclm.adaptive',
               'speclm.tree_decoding', 'speclm.models', 'speclm.kernels', 'speclm.tokenizer',
               'speclm.partitioning', 'speclm.data', 'speclm.outputs', 'speclm.progress')),
     ('checkpoints', ('speclm.checkpoints',)),

@@ -229,17 +229,17 @@ def test_no_recompile_for_new_prompts_and_seeds(target, drafts):
   kwargs = dict(gamma=3, max_new_tokens=8, sampling=speclm.SamplingConfig(temperature=1.0))
   speclm.speculative_decode(target, drafts['related'], rng.randint(0, VOCAB, (2, 6)),
                             np.array([6, 3]), seed=0, **kwargs)
-  compiled = decoding._speculative_jit._cache_size()
+  compiled = decoding.speculative_jit._cache_size()
   for seed in (1, 2):
     speclm.speculative_decode(target, drafts['related'], rng.randint(0, VOCAB, (2, 6)),
                               np.array([2, 5]), seed=seed, eos_id=seed, **kwargs)
-  assert decoding._speculative_jit._cache_size() == compiled
+  assert decoding.speculative_jit._cache_size() == compiled
   speclm.autoregressive_decode(target, rng.randint(0, VOCAB, (2, 6)), np.array([6, 3]),
                                max_new_tokens=8)
-  compiled = decoding._autoregressive_jit._cache_size()
+  compiled = decoding.autoregressive_jit._cache_size()
   speclm.autoregressive_decode(target, rng.randint(0, VOCAB, (2, 6)), np.array([1, 4]),
                                max_new_tokens=8, seed=3)
-  assert decoding._autoregressive_jit._cache_size() == compiled
+  assert decoding.autoregressive_jit._cache_size() == compiled
 
 
 def test_sampled_decode_is_reproducible(target, drafts, prompts):

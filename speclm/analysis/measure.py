@@ -29,7 +29,7 @@ import numpy as np
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import speculative
-from speclm.decoding import DecodeStats  # the type only (it moves to a lower module)
+from speclm.decode_common import DecodeStats
 
 
 # ----------------------------------------------------------------------------------------------

@@ -359,8 +359,7 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   prefill = jax.jit(target.definition.prefill)
   # γ = 0 too runs the adaptive loop's rounds (`speculative_decode` would run the baseline for
   # a rule that never drafts): r(0) prices a γ = 0 round between drafting ones.
-  # MERGE: public speculative_decode(baseline_if_never_drafting=False)
-  loops = [functools.partial(decoding._speculative_decode, target, draft, prompts, lengths,
+  loops = [functools.partial(decoding.speculative_decode, target, draft, prompts, lengths,
                              gamma=_forcing_rule(max_gamma, gamma, max_skip),
                              baseline_if_never_drafting=False, **common)
            for gamma in range(max_gamma + 1)]
