@@ -107,6 +107,7 @@ def _write(path: str | None, text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  """The command line: one subcommand per kind of question (theory, alpha, cost, report)."""
   parser = argparse.ArgumentParser(
       prog='python -m speclm.analysis',
       formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -122,7 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
 
           Run `python -m speclm.analysis SUBCOMMAND --help` for each one's flags."""))
   sub = parser.add_subparsers(dest='command', metavar='SUBCOMMAND', required=True)
+  _add_theory_command(sub)
+  _add_alpha_command(sub)
+  _add_cost_command(sub)
+  _add_report_command(sub)
+  return parser
 
+
+def _add_theory_command(sub) -> None:
+  """The `theory` subcommand: closed-form predictions."""
   p = sub.add_parser(
       'theory', formatter_class=argparse.RawDescriptionHelpFormatter,
       help='closed-form predictions, Table 1 and Figures 2-4 (no models)',
@@ -149,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--figures_dir', help='write Figures 2, 3, 4 as PNG files here')
   p.add_argument('--json', help='also write the predictions as JSON to this file')
 
+
+def _add_alpha_command(sub) -> None:
+  """The `alpha` subcommand: α measured on target-generated text."""
   p = sub.add_parser(
       'alpha', help='α by Corollary 3.6, DLK, β histogram and autocorrelation',
       description='α by Corollary 3.6. Lets the target generate --num_tokens tokens (greedy or'
@@ -165,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--figures_dir', help='write the β histogram PNG here')
   p.add_argument('--json', help='write the summary as JSON to this file')
 
+
+def _add_cost_command(sub) -> None:
+  """The `cost` subcommand: c and r from timed calls."""
   p = sub.add_parser(
       'cost', help='c and r from timed, compiled model calls',
       description='Compiles a draft decode step (extend with 1 token), a target decode step and'
@@ -186,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--alpha', type=float, help='if given, also print predictions for this α')
   p.add_argument('--json', help='write the timings as JSON to this file')
 
+
+def _add_report_command(sub) -> None:
+  """The `report` subcommand: predicted against measured speedup."""
   p = sub.add_parser(
       'report', help='predicted vs measured speedup (Table 4 shape)',
       description='Measures α (Corollary 3.6, as `alpha`), c and r (as `cost`, at --batch_size),'
@@ -207,7 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument('--markdown', help='write the markdown table to this file')
   p.add_argument('--json', help='write all measurements as JSON to this file')
   p.add_argument('--figures_dir', help='write the β histogram PNG here')
-  return parser
 
 
 def _theory(args) -> int:
