@@ -304,6 +304,19 @@ def end_tokens(eos_id: int | Sequence[int] | None) -> jax.Array:
   return jnp.asarray(np.ravel(np.asarray(-1 if eos_id is None else eos_id)), jnp.int32)
 
 
+def as_rounds_without_drafts(baseline: DecodeResult, max_gamma: int) -> DecodeResult:
+  """A baseline decode's result with the statistics an adaptive loop (γ_max = `max_gamma`)
+  keeps for the same decode made of γ = 0 rounds: each baseline step is a round that drafted
+  nothing (`gamma_histogram[0]`), and each round a row ended well accepted n = 0
+  (`accepted_histogram[0]`): all its tokens but the first, which prefill drew."""
+  stats = baseline.stats
+  rounds = stats.target_calls - 1  # prefill is the first target call
+  good_rounds = jnp.sum(jnp.maximum(baseline.lengths - 1, 0))
+  at_zero = jnp.zeros((max_gamma + 1,), jnp.int32).at[0]
+  return baseline.replace(stats=stats.replace(
+      accepted_histogram=at_zero.set(good_rounds), gamma_histogram=at_zero.set(rounds)))
+
+
 def append(state: LoopState, new_tokens, num_new, limits, eos_id) -> tuple[jax.Array, ...]:
   """Appends `new_tokens[b, :num_new[b]]` to each active row, cut at an end token (any of
   `eos_id` `[E]`) or the limit.

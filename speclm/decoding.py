@@ -149,11 +149,15 @@ def speculative_decode(
 ) -> DecodeResult:
   """Speculative decoding (Algorithm 1): samples exactly from `target`, γ drafts per round.
 
-  Same arguments as `autoregressive_decode`, plus the `draft` model (same vocabulary) and
-  `gamma`: the number of tokens the draft proposes per target call (an integer ≥ 1), or an
-  `adaptive.AdaptiveGamma` rule that chooses it every round, 0 … γ_max. With greedy sampling
-  the output equals `autoregressive_decode(target, …)` token for token. With a `partitioner`
-  the draft's parameters follow its draft rules (replicated by default).
+  Args:
+    target, draft: `speclm.protocol.Model`s sharing one vocabulary V.
+    prompt_tokens: `[B, P]` int, right-padded prompts; prompt_lengths: `[B]` int, 1 … P.
+    gamma: tokens the draft proposes per target call (an integer ≥ 1), or an
+      `adaptive.AdaptiveGamma` rule that chooses it every round, 0 … γ_max.
+    The rest as in `autoregressive_decode`; with a `partitioner` the draft's parameters follow
+    its draft rules (replicated by default).
+
+  With greedy sampling the output equals `autoregressive_decode(target, …)` token for token.
 
   A rule that chooses γ = 0 before it has any evidence never drafts (`adaptive.never_drafts`):
   with `baseline_if_never_drafting` (the default) the decode is then
@@ -173,7 +177,7 @@ def speculative_decode(
     baseline = autoregressive_decode(
         target, prompts, lengths, sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
         eos_id=eos_id, pad_id=pad_id, cache_length=cache_length, partitioner=partitioner)
-    return _as_rounds_without_drafts(baseline, rule.max_gamma)
+    return common.as_rounds_without_drafts(baseline, rule.max_gamma)
   target = protocol.target_for_feature_draft(target, draft)
   common.check_context(target.definition, 'target', lengths, limits)
   common.check_same_prefix(target, draft, prompts.shape[1])
@@ -201,19 +205,6 @@ def _run_speculative_loop(target, draft, prompts, lengths, limits, *, gamma, rul
       buffer_length=max_new + gamma + 1, target_capacity=capacity(target.definition),
       draft_capacity=capacity(draft.definition))
   return common.trim(result, max_new)
-
-
-def _as_rounds_without_drafts(baseline: DecodeResult, max_gamma: int) -> DecodeResult:
-  """A baseline decode's result with the statistics an adaptive loop (γ_max = `max_gamma`)
-  keeps for the same decode made of γ = 0 rounds: each baseline step is a round that drafted
-  nothing (`gamma_histogram[0]`), and each round a row ended well accepted n = 0
-  (`accepted_histogram[0]`): all its tokens but the first, which prefill drew."""
-  stats = baseline.stats
-  rounds = stats.target_calls - 1  # prefill is the first target call
-  good_rounds = jnp.sum(jnp.maximum(baseline.lengths - 1, 0))
-  at_zero = jnp.zeros((max_gamma + 1,), jnp.int32).at[0]
-  return baseline.replace(stats=stats.replace(
-      accepted_histogram=at_zero.set(good_rounds), gamma_histogram=at_zero.set(rounds)))
 
 
 # ----------------------------------------------------------------------------------------------

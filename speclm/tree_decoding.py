@@ -62,9 +62,14 @@ def tree_speculative_decode(
 ) -> common.DecodeResult:
   """Speculative decoding over a token tree: samples exactly from `target`.
 
-  Same arguments as `speclm.speculative_decode`, with `tree` (a static
-  `token_trees.TreeShape` or an EAGLE-2 `token_trees.DynamicTree`) instead of γ. Both models
-  must implement `extend_tree` and `keep_tree_path` (Llama, T5, n-gram and lookup drafts).
+  Args:
+    target, draft: `speclm.protocol.Model`s sharing one vocabulary V; both must implement
+      `extend_tree` and `keep_tree_path` (Llama, T5, n-gram and lookup drafts).
+    prompt_tokens: `[B, P]` int, right-padded prompts; prompt_lengths: `[B]` int, 1 … P.
+    tree: a static `token_trees.TreeShape` or an EAGLE-2 `token_trees.DynamicTree`, in place
+      of `speclm.speculative_decode`'s γ.
+    The rest as in `speclm.autoregressive_decode`.
+
   With greedy sampling the output equals `autoregressive_decode(target, …)` token for token.
   """
   tree = token_trees.check_tree(tree)

@@ -42,14 +42,7 @@ OUTPUT_PREFIXES = ('/tmp/', 'speclm_demo_output/')
 # section; EncodedExample any docstring). Their modules are being restructured on other
 # branches (issue 35); each entry must go when its docstring is complete
 # (test_pending_list_is_current fails until then).
-PENDING = frozenset({
-    'speclm.data.EncodedExample',
-    'speclm.speculative_decode',
-    'speclm.tree_speculative_decode',
-    'speclm.analysis.estimate_alpha',
-    'speclm.analysis.measure_speedup',
-    'speclm.data.Batch',
-})
+PENDING = frozenset()
 
 # Parameter names that hold arrays in this code base, for parameters without an annotation.
 ARRAY_PARAMETERS = frozenset({

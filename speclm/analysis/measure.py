@@ -319,7 +319,15 @@ def beta_along(target: protocol.Model, draft: protocol.Model, reference: Referen
 
 @dataclasses.dataclass(frozen=True)
 class AlphaEstimate:
-  """Corollary 3.6 on target-generated text: the summary, and the data behind it."""
+  """Corollary 3.6 on target-generated text: the summary, and the data behind it.
+
+  Attributes:
+    summary: α, DLK, the β histogram and autocorrelation (`summarize_beta`).
+    reference: the target-generated text β was measured along.
+    beta: `[R, T]` β = Σ_x min(p̃, q̃) at each of the R rows' T positions.
+    mask: `[R, T]` True where a position holds a generated token (β there counts).
+    sampling: the standardization p̃ and q̃ were computed with.
+  """
 
   summary: BetaSummary
   reference: Reference

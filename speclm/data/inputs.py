@@ -47,6 +47,15 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class EncodedExample:
+  """An example as token ids.
+
+  Attributes:
+    example: the example encoded.
+    ids: its input token ids (after truncation, with an end token if the job adds one).
+    truncated: whether the input was cut to the input limit.
+    skipped: why the example is not decoded (the length rule), or None.
+  """
+
   example: Example
   ids: tuple[int, ...]
   truncated: bool = False
@@ -59,7 +68,13 @@ class EncodedExample:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-  """Right-padded inputs `[B, W]` of one bucket width W; rows past `num_real` are padding."""
+  """Right-padded inputs `[B, W]` of one bucket width W; rows past `num_real` are padding.
+
+  Attributes:
+    examples: the real rows' encoded examples (padding rows repeat the last one).
+    tokens: `[B, W]` int32 token ids, right-padded with the vocabulary's pad id.
+    lengths: `[B]` int32 real input lengths.
+  """
 
   examples: tuple[EncodedExample, ...]  # the real rows only
   tokens: np.ndarray  # [B, W] int32
