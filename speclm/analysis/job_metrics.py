@@ -4,7 +4,8 @@ Per method: decode time, tokens/s, target calls, tokens per target call, stop re
 when references exist; for speculative decoding α (Σβ / count, Corollary 3.6), Eq. (1)'s
 expected tokens per iteration, and Theorem 3.8's speedup from the measured c (and r), pooled and
 row by row per batch (`theory.batch_walltime_improvement`); in compare mode the measured speedup
-and the identical-output rate.
+and the identical-output rate; for datasets whose records carry a category, the table by category
+(`speclm.analysis.category_report`, as Spec-Bench reports).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import numpy as np
 
 from speclm import progress as progress_lib
 from speclm import sampling as sampling_lib
+from speclm.analysis import category_report
 from speclm.analysis import theory
+
+# The summary's 'identical outputs' at temperature > 0, where different draws are expected.
+SAMPLED_OUTPUTS = "sampled: outputs differ by design, the distribution is the target's"
 
 # The decoding methods each mode runs, in the order they run.
 METHODS = {'speculative': ('speculative',), 'baseline': ('baseline',),
@@ -118,6 +123,9 @@ def compute_metrics(records: list[dict[str, Any]], *, mode: str, gamma: int | st
     _add_speculative_summary(metrics, decoded, gamma=gamma, tree=tree, cost=cost, notes=notes)
   if mode == 'compare':
     _add_comparison(metrics, decoded, sampling, notes)
+  table = category_report.by_category(decoded, methods)
+  if table is not None:  # a dataset whose examples carry a category (Spec-Bench)
+    metrics['by_category'] = table
   metrics['notes'] = notes
   return metrics
 
@@ -304,11 +312,16 @@ def summary(metrics: dict[str, Any]) -> str:
     rows.append(('tree policy', f"chose {chosen} (timed on"
                                 f" {policy['calibration']['rows']} rows at start-up)"))
   if 'speedup' in metrics:
+    sampled = (metrics.get('sampling') or {}).get('temperature', 0.0) > 0
     rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
-             ('identical outputs', _fmt(metrics['identical_output_rate'], '.1%'))]
+             ('identical outputs', SAMPLED_OUTPUTS if sampled
+              else _fmt(metrics['identical_output_rate'], '.1%'))]
   if metrics.get('num_bad_logits'):
     rows.append(('WARNING', f"{metrics['num_bad_logits']} example(s) stopped on NaN/inf logits"
                             ' (BAD_LOGITS); the figures above include them'))
   if 'job' in metrics:
     rows.append(('output dir', metrics['job']['output_dir']))
-  return progress_lib.table(rows, title='speclm run summary')
+  text = progress_lib.table(rows, title='speclm run summary')
+  if metrics.get('by_category'):
+    text += '\n\n' + category_report.table_text(metrics['by_category'])
+  return text

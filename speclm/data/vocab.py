@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 
 
@@ -43,6 +43,22 @@ class Vocabulary(abc.ABC):
   def end_ids(self) -> tuple[int, ...]:
     """Every id that ends a generation: `eos_id`, and a chat model's others (end of turn)."""
     return () if self.eos_id is None else (self.eos_id,)
+
+  @property
+  def renders_conversations(self) -> bool:
+    """Whether `encode_conversation` renders a whole conversation (a chat template)."""
+    return False
+
+  def encode_conversation(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """The ids of a conversation rendered with a chat template, ending with the header of
+    the assistant's next reply (a later turn of a multi-turn job, `speclm.run.turns`).
+
+    Args:
+      messages: {'role': 'user' | 'assistant' | 'system', 'content': str} in order.
+    """
+    raise ValueError(f'{self!r} has no chat template, so it cannot render a conversation of'
+                     ' several turns; use a chat vocabulary (e.g. @smollm2_chat_vocabulary,'
+                     ' @checkpoint_chat_vocabulary).')
 
   def _until_eos(self, ids: Sequence[int]) -> list[int]:
     ids = [int(i) for i in ids]
@@ -80,11 +96,19 @@ class ByteVocabulary(Vocabulary):
 
 
 class FunctionVocabulary(Vocabulary):
-  """Adapts any tokenizer given as two functions (the seam for tokenizers of other modules)."""
+  """Adapts any tokenizer given as two functions (the seam for tokenizers of other modules).
+
+  `conversation_fn`, when given, renders and encodes a whole conversation (a list of
+  {'role', 'content'} messages) with the tokenizer's chat template (`encode_conversation`);
+  `encode_fn` alone renders one user message.
+  """
 
   def __init__(self, encode_fn: Callable[[str], Sequence[int]],
                decode_fn: Callable[[Sequence[int]], str], vocab_size: int, *,
-               eos_id: int | None = None, pad_id: int = 0, end_ids: Sequence[int] = ()):
+               eos_id: int | None = None, pad_id: int = 0, end_ids: Sequence[int] = (),
+               conversation_fn: Callable[[Sequence[Mapping[str, str]]], Sequence[int]]
+               | None = None):
+    self._conversation_fn = conversation_fn
     self._encode_fn = encode_fn
     self._decode_fn = decode_fn
     self.vocab_size = int(vocab_size)
@@ -100,6 +124,17 @@ class FunctionVocabulary(Vocabulary):
   def encode(self, text: str) -> list[int]:
     """`encode_fn(text)` as a list of ints."""
     return [int(i) for i in self._encode_fn(text)]
+
+  @property
+  def renders_conversations(self) -> bool:
+    """Whether a `conversation_fn` was given."""
+    return self._conversation_fn is not None
+
+  def encode_conversation(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """`conversation_fn(messages)` as a list of ints (see `Vocabulary.encode_conversation`)."""
+    if self._conversation_fn is None:
+      return super().encode_conversation(messages)
+    return [int(i) for i in self._conversation_fn(list(messages))]
 
   def decode(self, ids: Sequence[int]) -> str:
     """`decode_fn` of `ids` up to the first end id."""

@@ -10,7 +10,8 @@ at several temperatures.
   5. calibration  adaptive γ's costs (`speclm.run.calibration`, cached per machine)
   6. accept       the full fingerprint recorded; only now does the directory change
   7. tree policy  the chain or a tree, timed on the first pending batch (`@tree_policy()`)
-  8. decode       batch by batch (`speclm.run.records`), each batch appended durably
+  8. decode       batch by batch (`speclm.run.records`), each batch appended durably; a
+                 conversational dataset's later turns after the earlier replies (`speclm.run.turns`)
   9. report       metrics.json over every recorded example (`speclm.analysis.job_metrics`)
 Several processes each decode their share and process 0 merges (`speclm.run.merge`).
 """
@@ -46,6 +47,7 @@ from speclm.run import merge as merge_lib
 from speclm.run import providers
 from speclm.run import records as records_lib
 from speclm.run import settings as settings_lib
+from speclm.run import turns as turns_lib
 from speclm.run.errors import BadLogitsError
 from speclm.run.errors import Interrupted
 from speclm.run.errors import JobError
@@ -134,7 +136,10 @@ def run_job(*,
     mode: 'speculative', 'baseline' or 'compare'.
     target, draft: model providers (the draft is unused by 'baseline').
     vocabulary: a vocabulary provider; its end token stops generation.
-    dataset: a dataset provider.
+    dataset: a dataset provider. Conversations (`@spec_bench_dataset`, one example per turn)
+      are decoded turn by turn, a later turn after each method's own reply to the earlier one,
+      rendered with the vocabulary's chat template (`speclm.run.turns`); their records carry
+      'category' and 'turn', and metrics.json a table by category.
     output_dir: where outputs go; a directory holding a killed run of the same job is resumed.
       A directory holding a different job (any setting in its job.json fingerprint differs,
       `speclm.run.fingerprint`) is refused before anything in it changes.
@@ -266,6 +271,7 @@ def _read_inputs(settings: settings_lib.JobSettings, vocabulary, dataset,
     raise JobError('The dataset is empty: no examples to decode. Check the dataset path,'
                    ' format and filters (file_dataset.path, seqio_dataset.split,'
                    ' run_job.max_examples).')
+  turns_lib.check_inputs(examples, vocabulary, process.count)
   return _Inputs(vocabulary=vocabulary, examples=examples)
 
 
@@ -315,12 +321,14 @@ def _load_pair(settings: settings_lib.JobSettings, target, draft, partitioner,
 
 
 def _encode_inputs(settings: settings_lib.JobSettings, inputs: _Inputs, pair: _Pair) -> _Inputs:
-  """Phase 4b: the examples as token ids, held to the input limit (`_input_limit`)."""
+  """Phase 4b: the examples as token ids, held to the input limit (`_input_limit`); of a
+  conversational dataset, the first turns (later ones are encoded after the earlier replies,
+  `speclm.run.turns`)."""
   input_limit = _input_limit(settings.max_input_length, settings.max_new_tokens, pair.target,
                              pair.draft)
   try:
     encoded = inputs_lib.encode_examples(
-        inputs.examples, inputs.vocabulary, max_input_length=input_limit,
+        turns_lib.first_turns(inputs.examples), inputs.vocabulary, max_input_length=input_limit,
         on_too_long=settings.on_too_long, add_eos=settings.add_eos_to_inputs)
   except inputs_lib.DataError as e:
     raise JobError(str(e)) from None
@@ -377,7 +385,8 @@ def _plan_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir
   if done:
     print(f'Resuming {output_dir}: {len(done)} of {len(inputs.examples)} examples already'
           ' recorded.', file=stream)
-  return batches, len(inputs.examples) - len(pending)
+  return batches, (len(inputs.examples) - len(pending)
+                   - turns_lib.pending_later(inputs.examples, done))
 
 
 def _choose_decoding(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, batches,
@@ -397,27 +406,42 @@ def _choose_decoding(settings: settings_lib.JobSettings, out: outputs_lib.Output
 def _decode_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, batches,
                     pair: _Pair, inputs: _Inputs, choice: _Decoding, num_done: int,
                     recorded_this_run: list[int], partitioner, progress_stream) -> float:
-  """Phase 8: every batch decoded by each method and appended (durably) to the predictions.
-  Returns the compile-and-warm-up seconds; counts appended examples in `recorded_this_run`.
-  Ctrl-C becomes `Interrupted` with the count of recorded examples."""
+  """Phase 8: every batch decoded by each method and appended (durably) to the predictions;
+  then a conversational dataset's later turns, turn by turn (`speclm.run.turns`). Returns the
+  compile-and-warm-up seconds; counts appended examples in `recorded_this_run`. Ctrl-C
+  becomes `Interrupted` with the count of recorded examples."""
   methods = settings.methods
   bar = progress_lib.Progress(len(inputs.examples), initial=num_done, stream=progress_stream,
                               enabled=settings.show_progress,
                               label='compare' if settings.mode == 'compare' else methods[0])
   warmed: set[tuple[str, tuple[int, ...]]] = set()
-  compile_s = 0.0
+  compile_s = [0.0]
+
+  def record(records, tokens: int) -> None:
+    out.append(records)
+    recorded_this_run[0] += len(records)
+    bar.update(len(records), tokens)
+
+  def decode(batch, method_batches=None) -> None:
+    records, batch_compile_s = records_lib.decode_batch(
+        batch, methods, pair.target, pair.draft, inputs.vocabulary, warmed,
+        exclude_compile_time=settings.exclude_compile_time, gamma=choice.gamma,
+        sampling=settings.sampling, max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed + batch.examples[0].example.index, partitioner=partitioner,
+        tree=choice.tree, speculate=choice.speculate, method_batches=method_batches)
+    compile_s[0] += batch_compile_s
+    record(records, sum(r[methods[-1]]['num_tokens'] for r in records))
+
   try:
     for batch in batches:
-      records, batch_compile_s = records_lib.decode_batch(
-          batch, methods, pair.target, pair.draft, inputs.vocabulary, warmed,
-          exclude_compile_time=settings.exclude_compile_time, gamma=choice.gamma,
-          sampling=settings.sampling, max_new_tokens=settings.max_new_tokens,
-          seed=settings.seed + batch.examples[0].example.index, partitioner=partitioner,
-          tree=choice.tree, speculate=choice.speculate)
-      compile_s += batch_compile_s
-      out.append(records)
-      recorded_this_run[0] += len(records)
-      bar.update(batch.num_real, sum(r[methods[-1]]['num_tokens'] for r in records))
+      decode(batch)
+    turns_lib.decode_later_turns(
+        inputs.examples, lambda: outputs_lib.read_predictions(out.predictions_path),
+        lambda records: record(records, 0),
+        lambda method_batches: decode(method_batches[methods[-1]], method_batches),
+        records_lib.base_record, inputs.vocabulary, methods, input_limit=inputs.input_limit,
+        on_too_long=settings.on_too_long, batch_size=settings.batch_size,
+        buckets=settings.buckets)
   except KeyboardInterrupt:
     bar.close()
     # Counted from the file: Ctrl-C may land after a batch's write, before it was counted.
@@ -427,7 +451,7 @@ def _decode_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputD
         f' {len(inputs.examples)} recorded in {out.path}); rerun the same command to resume.'
     ) from None
   bar.close()
-  return compile_s
+  return compile_s[0]
 
 
 def _report(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, pair: _Pair,

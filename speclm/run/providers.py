@@ -11,7 +11,7 @@ job loads things in a fixed order and turns a user's mistake into one clear line
   vocabularies  ByteVocabulary, SentencePieceVocabulary, FunctionVocabulary, smollm2_tokenizer,
                 smollm2_chat_vocabulary, checkpoint_tokenizer, checkpoint_chat_vocabulary
   datasets      file_dataset (`speclm.data.inputs.read_examples`), synthetic_dataset,
-                seqio_dataset, builtin_prompts_dataset
+                seqio_dataset, builtin_prompts_dataset, spec_bench_dataset (conversations)
   settings      sampling_config, gamma_for_temperature, token_tree, dynamic_tree, tree_policy,
                 T5Config (configs/models/*.gin),
                 partitioning.Partitioner and its axis rules, partitioning.initialize_distributed
@@ -276,10 +276,11 @@ def checkpoint_chat_vocabulary(path: str = gin.REQUIRED) -> vocab_lib.Vocabulary
 
 
 def _chat_vocabulary(tok) -> vocab_lib.Vocabulary:
-  """A `speclm.tokenizer.Tokenizer` as a vocabulary whose inputs are chat user messages."""
+  """A `speclm.tokenizer.Tokenizer` as a vocabulary whose inputs are chat user messages (and
+  whose `encode_conversation` renders a whole conversation with the same template)."""
   return vocab_lib.FunctionVocabulary(tok.encode_chat, tok.decode, tok.vocab_size,
                                       eos_id=tok.eos_id, pad_id=tok.pad_id or 0,
-                                      end_ids=tok.end_ids)
+                                      end_ids=tok.end_ids, conversation_fn=tok.encode_chat)
 
 
 @gin.configurable
@@ -391,6 +392,24 @@ def builtin_prompts_dataset(name: str = 'demo', count: int | None = None
     raise JobError(f'builtin_prompts_dataset.name must be one of {sorted(sets)}, got {name!r}.')
   prompts = sets[name]() if count is None else sets[name](count)
   return [inputs_lib.Example(index=i, id=f'{name}-{i}', input=p) for i, p in enumerate(prompts)]
+
+
+@gin.configurable
+def spec_bench_dataset(path: str = gin.REQUIRED, per_category: int | None = None,
+                       group_mt_bench: bool = True) -> list[inputs_lib.Example]:
+  """Conversations of a question file in Spec-Bench's format, one example per turn
+  (`speclm.data.conversations.read_conversations`; later turns follow the model's own reply).
+
+  Args:
+    path: the JSONL file (question_id, category, turns).
+    per_category: the first N conversations of each category (file order); None: all.
+    group_mt_bench: report MT-bench's eight categories as the one task 'mt_bench', as
+      Spec-Bench's leaderboard does (`per_category` then counts the task).
+  """
+  from speclm.data import conversations  # pylint: disable=g-import-not-at-top
+  return conversations.read_conversations(
+      path, per_category=per_category,
+      category_map=conversations.SPEC_BENCH_TASKS if group_mt_bench else None)
 
 
 # ----------------------------------------------------------------------------------------------

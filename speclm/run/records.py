@@ -18,6 +18,7 @@ import numpy as np
 
 from speclm import decoding
 from speclm import tree_decoding
+from speclm.data import conversations
 from speclm.data import inputs as inputs_lib
 from speclm.data import vocab as vocab_lib
 
@@ -55,6 +56,7 @@ def decode_one(method: str, target, draft, batch: inputs_lib.Batch, *, gamma, sa
 
 def decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
                  vocabulary: vocab_lib.Vocabulary, warmed: set, *, exclude_compile_time: bool,
+                 method_batches: dict[str, inputs_lib.Batch] | None = None,
                  **decode_kwargs) -> tuple[list[dict[str, Any]], float]:
   """Decodes one batch with each method (same seed); returns its records and compile time.
 
@@ -62,14 +64,18 @@ def decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
     batch: the batch (`[B, P]` tokens); its padding rows are decoded but not recorded.
     methods: the methods in order; each is timed after an untimed first call when
       `exclude_compile_time` and its (method, shape) is not yet in `warmed` (updated here).
+    method_batches: a later turn of a conversation (`speclm.run.turns`): each method's own
+      batch over the same rows (its conversation holds its own earlier replies); each method's
+      entry then records its 'input_tokens'. None: every method decodes `batch`.
     decode_kwargs: `decode_one`'s keyword arguments.
   """
   results, times, compile_s = {}, {}, 0.0
   for method in methods:
-    decode = functools.partial(decode_one, method, target, draft, batch,
+    method_batch = batch if method_batches is None else method_batches[method]
+    decode = functools.partial(decode_one, method, target, draft, method_batch,
                                eos_id=list(vocabulary.end_ids) or None, pad_id=vocabulary.pad_id,
                                **decode_kwargs)
-    key = (method, batch.tokens.shape)
+    key = (method, method_batch.tokens.shape)
     if exclude_compile_time and key not in warmed:  # compile (and warm up) untimed
       start = time.perf_counter()
       decode()
@@ -87,6 +93,8 @@ def decode_batch(batch: inputs_lib.Batch, methods: Sequence[str], target, draft,
     for method in methods:
       record[method] = row_record(method, results[method], row, token_lists[method][row],
                                    vocabulary, times[method] / batch.num_real)
+      if method_batches is not None:
+        record[method]['input_tokens'] = method_batches[method].examples[row].length
     if 'baseline' in methods and 'speculative' in methods:
       record['identical'] = token_lists['baseline'][row] == token_lists['speculative'][row]
     record['output'] = record[methods[-1]]['output']
@@ -121,12 +129,16 @@ def row_record(method: str, result: decoding.DecodeResult, row: int, tokens: lis
 
 def base_record(item: inputs_lib.EncodedExample) -> dict[str, Any]:
   """The fields every record of an example has: its index, id, input (and reference), input
-  length, truncation, and the reason it was skipped if it was."""
+  length, truncation, a conversation turn's category and turn number, and the reason it was
+  skipped if it was."""
   example = item.example
   record = {'index': example.index, 'id': example.id, 'input': example.input,
             'input_tokens': item.length, 'truncated': item.truncated}
   if example.reference is not None:
     record['reference'] = example.reference
+  if isinstance(example, conversations.Turn):  # a conversation's turn (plain datasets: none)
+    record['category'] = example.category
+    record['turn'] = example.turn
   if item.skipped:
     record['skipped'] = item.skipped
   return record
