@@ -1,4 +1,5 @@
-r"""Reproduces Table 2 of Leviathan et al. (2023): tasks × drafts × temperatures, paper beside ours.
+r"""Reproduces Table 2 of Leviathan et al. (2023): tasks × drafts × temperatures, paper beside
+ours.
 
 Each row is one `speclm.run` job in 'compare' mode (speculative and baseline on the same
 inputs), configured by the task file `configs/{task}_{draft}.gin` at the paper's γ. The script
@@ -13,12 +14,18 @@ Real run (T5 1.1 checkpoints fine-tuned on each task; `{size}` is xxl/small/base
       --checkpoint_pattern='gs://my-bucket/t5_1_1_{size}_{task}/checkpoint_1000000' \
       --gin.MAX_EXAMPLES=500
 
-Smoke run (minutes on a laptop CPU): tiny random Llamas stand in for T5 — a 4-layer target and
-1/2/3-layer drafts sharing its first layers, so α and c both grow with the draft as in the
-paper — on a synthetic dataset:
+Smoke run (a few minutes on a laptop CPU): the same task files, the same job path, with only
+these overrides: T5 1.1 scaled down by gin bindings of the models' scopes (float32 on CPU), T5X
+checkpoints written here in T5X's own layout (random weights; each draft is the target's first
+decoder layers, so α grows with the draft as in the paper), a SentencePiece vocabulary trained
+here on local text, and small local EnDe (TSV) and CNN/DM (JSONL) files as the dataset. It
+prints the table, then scripts/tpu/run_on_tpu.py's --dry-run of the task files on a v4-8 and a
+v4-32 (the commands a TPU user launches). Every row's configuration is parsed before the first
+row decodes, so a broken binding stops the run at once, naming the task file:
 
-  python scripts/reproduce_table2.py --smoke --output_dir=/tmp/table2_smoke
+  python scripts/reproduce_table2.py --smoke --output_dir=/tmp/table2_smoke [--smoke_size=tiny]
 
+--gin_search_paths puts other directories of gin files before configs/ (e.g. edited copies).
 Rows already finished in --output_dir are not decoded again (the jobs resume); --report_only
 rebuilds the tables from the job directories without running anything (e.g. after copying
 results back from a TPU VM).
@@ -431,14 +438,15 @@ def _f(value, digits: int = 2, suffix: str = '') -> str:
 
 
 def _smoke_note(size: SmokeSize | None) -> str:
+  """The table's note on what a smoke run at `size` is (None: --report_only without a size)."""
   if size is None:
     return 'Smoke run: only the shape of the table is meaningful.'
   drafts = '/'.join(str(size.layers(d)[1]) for d in DRAFTS)
   return (f'Smoke run: the task files themselves with T5 1.1 scaled down by gin bindings (D ='
           f' {size.emb_dim}, F = {size.mlp_dim}, {size.num_heads} heads, V = {size.vocab_size};'
           f' XXL {size.target_layers} decoder layers, SMALL/BASE/LARGE {drafts}: the target\'s'
-          f' first layers; encoders of at most {size.layers(TARGET_SIZE)[0]}), random T5X checkpoints, a SentencePiece vocabulary trained on local'
-          ' text and local EnDe/CNN-DM-shaped inputs, so only the path, α\'s growth with the'
+          f' first layers; encoders of at most {size.layers(TARGET_SIZE)[0]}), random T5X'
+          ' checkpoints, a SentencePiece vocabulary trained on local text and local EnDe/CNN-DM-shaped inputs, so only the path, α\'s growth with the'
           ' draft and greedy exactness are meaningful, not the numbers.')
 
 
