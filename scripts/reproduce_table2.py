@@ -159,7 +159,7 @@ def _docstring_corpus() -> list[tuple[str, str]]:
   out = []
   for name in DOC_MODULES:
     doc = inspect.getdoc(importlib.import_module(name)) or ''
-    summary, _, rest = doc.partition('\n')
+    summary = doc.partition('\n')[0]
     prose = ' '.join(' '.join(doc.split()).split(' ')[:80])
     if summary.strip() and len(prose) >= 120:
       out.append((summary.strip(), prose))
@@ -312,6 +312,7 @@ def write_checkpoints(directory: str, size: SmokeSize,
 
 
 def _check_fits(params: dict, expected: dict, model: str) -> None:
+  """Stops unless `params` has exactly the names and shapes of `expected` (a model's)."""
   got = {k: tuple(v.shape) for k, v in trees.flatten(params).items()}
   want = {k: tuple(v.shape) for k, v in trees.flatten(expected).items()}
   if got != want:
@@ -353,6 +354,7 @@ def smoke_bindings(task: str, draft: str, size: SmokeSize, assets: dict) -> list
 
 
 def row_dir(output_dir: str, task: str, draft: str, temperature: float) -> str:
+  """The job directory of one row, e.g. OUTPUT/ende_small_t0."""
   return os.path.join(output_dir, f'{task}_{draft}_t{temperature:g}')
 
 
@@ -411,6 +413,8 @@ COLUMNS = ['task', 'draft', 'temperature', 'gamma', 'paper_alpha', 'alpha', 'pap
 
 
 def table_rows(output_dir: str, rows: Sequence[tuple[str, str, float]]) -> list[dict[str, Any]]:
+  """One dict of COLUMNS per (task, draft, temperature): the paper's figures and the row's
+  metrics.json (None where the row has not run)."""
   out = []
   for task, draft, temperature in rows:
     gamma, paper_alpha, paper_speedup = PAPER[(task, draft, temperature)]
@@ -476,6 +480,7 @@ def to_markdown(rows: Sequence[dict[str, Any]], *, smoke: bool,
 
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
+  """The table's rows as CSV text (empty cells where a row has no value)."""
   buffer = io.StringIO()
   writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator='\n')
   writer.writeheader()
@@ -493,6 +498,7 @@ def _split(values: str, allowed: Sequence[Any], cast=str) -> list[Any]:
 
 
 def _load_tpu_script():
+  """scripts/tpu/run_on_tpu.py as a module (its `main` prints the dry-run)."""
   path = os.path.join(REPO, 'scripts', 'tpu', 'run_on_tpu.py')
   spec = importlib.util.spec_from_file_location('run_on_tpu', path)
   module = importlib.util.module_from_spec(spec)
