@@ -42,7 +42,6 @@ import importlib.util
 import inspect
 import io
 import json
-import logging as std_logging
 import os
 import re
 import sys
@@ -242,17 +241,16 @@ def size_bindings(size: SmokeSize, model: str) -> list[str]:
 def smoke_config(size: SmokeSize, model: str,
                  search_paths: Sequence[str] = ()) -> t5.T5Config:
   """The float32 `T5Config` that configs/models/t5_1_1/{model}.gin gives with size_bindings."""
+  name = os.path.join('models', 't5_1_1', f'{model}.gin')
+  path = next(os.path.join(d, name) for d in gin_cli.search_paths(search_paths)
+              if os.path.isfile(os.path.join(d, name)))
   gin.clear_config()
   try:
-    for path in gin_cli.search_paths(search_paths):
-      gin.add_config_file_search_path(path)
-    std_logging.disable(std_logging.ERROR)  # gin logs each search-path entry that lacks it
-    gin.parse_config_files_and_bindings([f'models/t5_1_1/{model}.gin'],
-                                        size_bindings(size, model), finalize_config=False)
+    gin.parse_config_files_and_bindings([path], size_bindings(size, model),
+                                        finalize_config=False)
     with gin.config_scope(f't5_1_1_{model}'):
       config = run.providers.T5Config()
   finally:
-    std_logging.disable(std_logging.NOTSET)
     gin.clear_config()
   return dataclasses.replace(config, dtype='float32', param_dtype='float32')
 

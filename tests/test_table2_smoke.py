@@ -10,9 +10,11 @@ import io
 import os
 import shutil
 
+import gin
 import numpy as np
 import pytest
 
+from speclm import run
 from speclm.checkpoints import t5x
 from speclm.testing import scripts
 
@@ -112,6 +114,11 @@ def test_a_broken_binding_in_a_task_file_stops_the_smoke(tmp_path, capsys):
   assert 'DRAFT_CONFIG = %T5_1_1_BASE\n' in text
   task_file.write_text(text.replace('DRAFT_CONFIG = %T5_1_1_BASE\n',
                                     'DRAFT_CONFIG = %T5_1_1_BSAE\n'))
+  # An earlier parse without the copy (the repository's configs/ on gin's search path) must
+  # not shadow it: each parse searches its own directories first.
+  run.parse_gin(['cnndm_base.gin'], ["TARGET_CHECKPOINT = 't'", "DRAFT_CHECKPOINT = 'd'",
+                                     "OUTPUT_DIR = 'o'"])
+  gin.clear_config()
   out = tmp_path / 'table2'
   status = _script().main(['--smoke', '--smoke_size=tiny', f'--output_dir={out}',
                            f'--gin_search_paths={configs}'])

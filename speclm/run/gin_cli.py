@@ -202,6 +202,9 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
   no macro set on the command line goes unused, and says which repository gin files are
   shadowed by local files of the same name."""
   gin.clear_config()  # a fresh configuration each time (tools and tests parse more than once)
+  # Gin keeps its search path across parses (clear_config leaves it): start from gin's own
+  # [''] so this parse's directories come first, not those of an earlier parse.
+  del gin.config._LOCATION_PREFIXES[1:]  # pylint: disable=protected-access
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
   for local, ours in shadowed_configs(gin_files):
