@@ -50,12 +50,14 @@ ANALYSIS_CLI = 'speclm.analysis.__main__'
 NOT_FOR_ANALYSIS = ('speclm.decoding', 'speclm.tree_decoding', 'speclm.run')
 MAX_MODULE_LINES = 700
 MAX_FUNCTION_LINES = 80  # a function's lines from `def` to its end, its docstring not counted
-# Private names read on purpose, each with its reason. gin 0.5 has no public API that lists every
-# binding or every registered configurable; `gin_cli._gin_state` is the one function reading
-# them (everything else goes through `gin_cli.all_bindings`).
+# Private names used on purpose, each with its reason. gin 0.5 has no public API that lists every
+# binding or every registered configurable (`gin_cli._gin_state` is the one function reading
+# them; everything else goes through `gin_cli.all_bindings`), nor one that removes a search path
+# (`gin_cli._reset_gin_search_path`, so one parse's directories never shadow the next's).
 ALLOWED_PRIVATE = {
     ('speclm/run/gin_cli.py', 'gin.config._CONFIG'),
     ('speclm/run/gin_cli.py', 'gin.config._REGISTRY'),
+    ('speclm/run/gin_cli.py', 'gin.config._LOCATION_PREFIXES'),
 }
 
 

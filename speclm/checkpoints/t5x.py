@@ -23,6 +23,8 @@ Public functions:
                            (checks, whole reads, TensorStore handles for region reads)
   cast_array(arr, dtype)                               -> the cast every reader applies
   save_t5x_checkpoint(directory, params, step=0)       -> writes the legacy format
+  save_t5x_train_state(directory, params, step=0)      -> the same as T5X's Checkpointer lays it
+                                                          out (optimizer/target + Adafactor state)
   load_orbax_checkpoint(path, expected=None, dtype=None)
   load_checkpoint(path, …)                             -> detects legacy vs Orbax
 """
@@ -579,6 +581,86 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   state = {'version': WRITE_VERSION, 'target': trees.unflatten(target),
            'state': {'step': _encode_inline(np.asarray(step, np.int32), _EXT_SCALAR),
                      'param_states': {}}}
+  _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
+  return directory
+
+
+# T5X's Adafactor factors the second moment of a parameter whose two largest axes both have at
+# least this many entries (`min_dim_size_to_factor`); other parameters keep it whole.
+ADAFACTOR_MIN_DIM_TO_FACTOR = 128
+
+
+def _adafactor_slots(shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+  """Zeroed Adafactor slots of one parameter, as T5X's optimizer state holds them.
+
+  Args:
+    shape: the parameter's shape (e.g. [D, N*H] for an attention kernel).
+
+  Returns:
+    {'m', 'v', 'v_row', 'v_col'} float32 arrays: `m` is (1,) (no momentum); a factored
+    parameter has `v_row` = shape less its last axis, `v_col` = shape less its second-to-last
+    and `v` (1,); an unfactored one has `v` = shape and (1,) factors.
+  """
+  unused = np.zeros((1,), np.float32)
+  if len(shape) >= 2 and min(shape[-2:]) >= ADAFACTOR_MIN_DIM_TO_FACTOR:
+    return {'m': unused, 'v': unused, 'v_col': np.zeros(shape[:-2] + shape[-1:], np.float32),
+            'v_row': np.zeros(shape[:-1], np.float32)}
+  return {'m': unused, 'v': np.zeros(shape, np.float32), 'v_col': unused, 'v_row': unused}
+
+
+def _encode_for_t5x(flat: Mapping[str, Any], directory: str, prefix: str,
+                    zarr_min_bytes: int) -> dict:
+  """A flat tree as the msgpack holds it: zarr specs for large arrays, inline for the rest.
+
+  Zarr arrays are named `<prefix>.<dotted name>`, and their kvstore path is relative to the
+  checkpoint directory with a trailing slash, as T5X's TensorStore specs serialise it.
+  """
+  out = {}
+  for name, value in flat.items():
+    arr = np.asarray(jax.device_get(value))
+    if arr.nbytes >= zarr_min_bytes and arr.ndim > 0:
+      spec = _write_zarr(arr, directory, f'{prefix}.' + name.replace('/', '.'))
+      spec['kvstore']['path'] += '/'
+      out[name] = spec
+    else:
+      out[name] = _encode_inline(arr)
+  return trees.unflatten(out)
+
+
+def save_t5x_train_state(directory: str | os.PathLike, params, step: int = 0, *,
+                         zarr_min_bytes: int = DEFAULT_ZARR_MIN_BYTES) -> str:
+  """Writes `params` as T5X's own Checkpointer lays out a `checkpoint_<step>` directory.
+
+  Unlike `save_t5x_checkpoint` (a parameters-only file), this is the whole train state of a
+  T5X run with Adafactor, freshly initialised: the msgpack `checkpoint` holds
+  {'version': 3, 'optimizer': {'target': parameters, 'state': {'step', 'param_states'}}},
+  where `param_states` has each parameter's zeroed Adafactor slots (`_adafactor_slots`).
+  Arrays of at least `zarr_min_bytes` bytes are gzip zarr directories
+  `target.<dotted name>` and `state.param_states.<dotted name>.<slot>`; smaller ones are
+  inline in the msgpack. The msgpack file is written last, so a directory holding a
+  `checkpoint` file is complete. The readers restore `optimizer/target` only.
+
+  Args:
+    directory: the checkpoint directory to create (local or gs://), e.g. `…/checkpoint_0`.
+    params: nested dict of arrays (T5X parameter names, e.g. `T5(config).init_params(…)`).
+    step: the training step recorded in the state.
+    zarr_min_bytes: arrays at least this large go to zarr.
+
+  Returns:
+    `directory`.
+  """
+  directory = os.fspath(directory)
+  if not _is_gcs(directory):
+    os.makedirs(directory, exist_ok=True)
+  flat = trees.flatten(params)
+  slots = {f'{name}/{slot}': value for name, leaf in flat.items()
+           for slot, value in _adafactor_slots(tuple(np.shape(leaf))).items()}
+  optimizer = {
+      'target': _encode_for_t5x(flat, directory, 'target', zarr_min_bytes),
+      'state': {'step': _encode_inline(np.asarray(step, np.int32)),
+                'param_states': _encode_for_t5x(slots, directory, 'state.param_states',
+                                                zarr_min_bytes)}}
+  state = {'version': WRITE_VERSION, 'optimizer': optimizer}
   _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
   return directory
 

@@ -74,6 +74,18 @@ def _gin_state() -> tuple[Mapping[tuple[str, str], Mapping[str, Any]], list[str]
   return config, [selector for selector, _ in registry.items()]
 
 
+def _reset_gin_search_path() -> None:
+  """Gin's search path back to its own [''] (the working directory).
+
+  Gin keeps the directories `gin.add_config_file_search_path` added across parses
+  (`gin.clear_config` leaves them), so in a process that parses twice (a tool, a test) an
+  earlier parse's directories would shadow this one's. gin 0.5 has no public call that
+  removes a search path; this is the one write to its private list.
+  """
+  del gin.config._LOCATION_PREFIXES[1:]  # pylint: disable=protected-access
+  del _SEARCH_PREFIXES[1:]
+
+
 def all_bindings() -> Mapping[tuple[str, str], Mapping[str, Any]]:
   """Every binding parsed so far, read only: (scope, selector) -> {parameter: value}.
 
@@ -289,7 +301,7 @@ def warn(message: str) -> None:
 _INCLUDE = re.compile(r"""^\s*include\s+(['"])(.+?)\1""", re.MULTILINE)
 
 
-# Gin's search path as parse_gin gave it (gin starts from '' and only ever appends).
+# Gin's search path as the last parse_gin gave it (gin's own '' first, then its directories).
 _SEARCH_PREFIXES = ['']
 
 
@@ -371,6 +383,7 @@ def parse_gin(gin_files: Sequence[str], gin_bindings: Sequence[str],
   no macro set on the command line goes unused, and says which repository gin files are
   shadowed by local files of the same name."""
   gin.clear_config()  # a fresh configuration each time (tools and tests parse more than once)
+  _reset_gin_search_path()
   for path in search_paths(gin_search_paths):
     gin.add_config_file_search_path(path)
     _SEARCH_PREFIXES.append(path)

@@ -68,6 +68,13 @@ def _token_calls(definition):
   return prefill, extend
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(definition, params, inputs, input_lengths, cache):
+  """`prefill` of `definition` (tokens only, `_token_calls`), compiled once per definition and
+  shapes (a `jax.jit` made per call compiled it again for every measurement)."""
+  return _token_calls(definition)[0](params, inputs, input_lengths, cache)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _repeated_extend(definition, params, tokens, cache, num_steps, tree_parents=None):
   """Runs `extend` num_steps times from the same cache length (the decode loops' inner call),
@@ -115,8 +122,8 @@ def _extend_runner(model: protocol.Model, *, num_new: int, batch_size: int,
   prompts, lengths = measure.random_prompts(model.vocab_size, batch_size, context_length, seed)
   prefix = int(definition.prefix_length(context_length))
   cache = definition.init_cache(batch_size, prefix + num_new)
-  _, cache = jax.jit(_token_calls(definition)[0])(model.params, jnp.asarray(prompts),
-                                                  jnp.asarray(lengths), cache)
+  _, cache = _prefill(definition, model.params, jnp.asarray(prompts), jnp.asarray(lengths),
+                      cache)
   tokens = jnp.asarray(np.resize(prompts[:, ::-1], (batch_size, num_new)))
   run = lambda steps: _repeated_extend(definition, model.params, tokens, cache,
                                        jnp.int32(steps), tree_parents)
