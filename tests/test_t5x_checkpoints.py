@@ -15,6 +15,7 @@ import pytest
 from speclm import checkpoints
 from speclm.run import providers
 from speclm import trees
+from speclm.checkpoints import storage
 from speclm.checkpoints import t5x
 from speclm.models import t5
 from speclm.presets import t5 as t5_presets
@@ -292,7 +293,7 @@ def test_gcs_paths_go_through_tensorstore_kvstores(tmp_path, model, monkeypatch)
   No network here, so the GCS driver is swapped for the file driver under tmp_path; the
   path logic (splitting, relative zarr paths, the `checkpoint` file lookup) is the real one.
   """
-  real = t5x._kvstore_spec  # pylint: disable=protected-access
+  real = storage.kvstore_spec
 
   def fake_gcs(path):
     spec = real(path)
@@ -301,7 +302,7 @@ def test_gcs_paths_go_through_tensorstore_kvstores(tmp_path, model, monkeypatch)
                                         + ('/' if path.endswith('/') else '')}
     return spec
 
-  monkeypatch.setattr(t5x, '_kvstore_spec', fake_gcs)
+  monkeypatch.setattr(storage, 'kvstore_spec', fake_gcs)
   url = 'gs://fake-bucket/models/t5/checkpoint_3'
   t5x.save_t5x_checkpoint(url, model.params, step=3, zarr_min_bytes=2048)
   on_disk = tmp_path / 'fake-bucket' / 'models' / 't5' / 'checkpoint_3'

@@ -35,7 +35,6 @@ import concurrent.futures
 import dataclasses
 import os
 import posixpath
-import re
 from typing import Any, Mapping
 
 import jax
@@ -45,6 +44,7 @@ import numpy as np
 
 from speclm import trees
 from speclm.checkpoints import errors
+from speclm.checkpoints import storage
 from speclm.checkpoints import zarr_v2
 from speclm.checkpoints.validate import CheckpointError
 from speclm.checkpoints.validate import check_finite
@@ -57,92 +57,6 @@ _EXT_SCALAR = 3
 DEFAULT_ZARR_MIN_BYTES = 1 << 16
 _CHUNK_TARGET_BYTES = 64 << 20
 _READ_THREADS = 8
-
-
-# ----------------------------------------------------------------------------------------------
-# Paths and bytes (local or gs://)
-
-
-def _is_gcs(path: str) -> bool:
-  return path.startswith('gs://')
-
-
-def _split_gcs(path: str) -> tuple[str, str]:
-  m = re.fullmatch(r'gs://([^/]+)/?(.*)', path, re.DOTALL)
-  if m is None:
-    raise CheckpointError(f'Malformed GCS path: {path}')
-  return m.group(1), m.group(2)
-
-
-def _join(base: str, *parts: str) -> str:
-  return posixpath.join(base, *parts) if _is_gcs(base) else os.path.join(base, *parts)
-
-
-def _kvstore_spec(path: str) -> dict:
-  """TensorStore kvstore spec of a local or gs:// path (the one place drivers are chosen)."""
-  if _is_gcs(path):
-    bucket, prefix = _split_gcs(path)
-    return {'driver': 'gcs', 'bucket': bucket, 'path': prefix}
-  return {'driver': 'file', 'path': path}
-
-
-def _gcs_kvstore(path: str):
-  """(KvStore of the directory holding `path`, key of `path` in it)."""
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  parent, key = posixpath.split(path.rstrip('/'))
-  spec = _kvstore_spec(parent + '/')
-  return ts.KvStore.open(spec).result(), key
-
-
-def _read_bytes(path: str) -> bytes:
-  if _is_gcs(path):
-    try:
-      store, key = _gcs_kvstore(path)
-      result = store.read(key).result()
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(f'Cannot read {path}: {e}') from e
-    if result.state != 'value':
-      raise CheckpointError(f'Checkpoint file not found: {path}')
-    return bytes(result.value)
-  if not os.path.isfile(path):
-    raise CheckpointError(f'Checkpoint file not found: {path}')
-  with open(path, 'rb') as f:
-    return f.read()
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-  if _is_gcs(path):
-    store, key = _gcs_kvstore(path)
-    store.write(key, data).result()
-    return
-  tmp = path + '.tmp'
-  with open(tmp, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)  # the msgpack appears only once complete
-
-
-def _exists(path: str) -> bool:
-  if _is_gcs(path):
-    try:
-      store, key = _gcs_kvstore(path)
-      return store.read(key).result().state == 'value'
-    except Exception:  # pylint: disable=broad-except
-      return False
-  return os.path.exists(path)
-
-
-def _checkpoint_file(path: str) -> tuple[str, str]:
-  """(msgpack file, directory its relative zarr paths start from) for a dir or a file path."""
-  path = os.fspath(path)
-  if _is_gcs(path):
-    path = path.rstrip('/')
-    candidate = _join(path, 'checkpoint')
-    if _exists(candidate):
-      return candidate, path
-    return path, posixpath.dirname(path)
-  if os.path.isdir(path):
-    return os.path.join(path, 'checkpoint'), path
-  return path, os.path.dirname(os.path.abspath(path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,11 +180,11 @@ def _array_location(spec: dict, base_dir: str, name: str, source: str) -> str:
                           ' no kvstore path.') from e
   if not isinstance(rel, str) or not rel.strip('/'):
     raise _outside(repr(rel), name, source)
-  if _is_gcs(base_dir):
-    bucket, prefix = _split_gcs(base_dir)
+  if storage.is_gcs(base_dir):
+    bucket, prefix = storage.split_gcs(base_dir)
     root = posixpath.normpath('/' + prefix)
-    if _is_gcs(rel):  # counts only if it names an object under this very directory
-      rel_bucket, rel_key = _split_gcs(rel)
+    if storage.is_gcs(rel):  # counts only if it names an object under this very directory
+      rel_bucket, rel_key = storage.split_gcs(rel)
       if rel_bucket != bucket:
         raise _outside(rel, name, source)
       key = posixpath.normpath('/' + rel_key)
@@ -281,7 +195,7 @@ def _array_location(spec: dict, base_dir: str, name: str, source: str) -> str:
     if not _within(key, root):
       raise _outside(rel, name, source)
     return f'gs://{bucket}{key}'
-  if _is_gcs(rel):
+  if storage.is_gcs(rel):
     raise _outside(rel, name, source)
   root = os.path.normpath(os.path.abspath(base_dir))
   where = os.path.normpath(os.path.join(root, rel))  # an absolute `rel` replaces `root`
@@ -303,8 +217,8 @@ def _array_location(spec: dict, base_dir: str, name: str, source: str) -> str:
 
 def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
   where = _array_location(spec, base_dir, name, source)
-  if _is_gcs(where):
-    kvstore = _kvstore_spec(where)
+  if storage.is_gcs(where):
+    kvstore = storage.kvstore_spec(where)
   else:
     array_dir = where
     if not os.path.isdir(array_dir):
@@ -322,7 +236,7 @@ def _read_zarr(spec: dict, base_dir: str, name: str, source: str) -> np.ndarray:
         raise CheckpointError(f'Zarr array {name} has neither .zarray nor a dtype in its spec:'
                               f' {array_dir}')
       return zarr_v2.read_numpy(array_dir, metadata, zarr_v2.dtype_of(dtype_name), name)
-    kvstore = _kvstore_spec(array_dir)
+    kvstore = storage.kvstore_spec(array_dir)
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   try:
     store = ts.open({'driver': 'zarr', 'kvstore': kvstore}, open=True, read=True).result()
@@ -427,8 +341,8 @@ def read_t5x_state(path: str | os.PathLike) -> dict:
 
   For inspection and tests; `load_t5x_checkpoint` is what restores parameters.
   """
-  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
-  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
+  msgpack_path, base_dir = storage.checkpoint_file(os.fspath(path))
+  state = _parse_msgpack(storage.read_bytes(msgpack_path), msgpack_path)
 
   def load(node, prefix):
     if isinstance(node, _Inline) or _is_chunked(node):
@@ -505,10 +419,10 @@ class T5XTarget:
     import tensorstore as ts  # pylint: disable=g-import-not-at-top
     where = _array_location(self.leaves[name], self.base_dir, f'{self.prefix}/{name}',
                             self.source)
-    if not _is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):
+    if not storage.is_gcs(where) and not os.path.isfile(os.path.join(where, '.zarray')):
       return None
     try:
-      return ts.open({'driver': 'zarr', 'kvstore': _kvstore_spec(where)},
+      return ts.open({'driver': 'zarr', 'kvstore': storage.kvstore_spec(where)},
                      open=True, read=True).result()
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(f'Cannot open zarr array {self.prefix}/{name} at {where}: {e}') from e
@@ -517,8 +431,8 @@ class T5XTarget:
 def open_t5x_target(path: str | os.PathLike) -> T5XTarget:
   """The parameters of the legacy checkpoint at `path` (a `checkpoint_<step>` directory, local
   or gs://, or its msgpack file), indexed: only the msgpack file is read."""
-  msgpack_path, base_dir = _checkpoint_file(os.fspath(path))
-  state = _parse_msgpack(_read_bytes(msgpack_path), msgpack_path)
+  msgpack_path, base_dir = storage.checkpoint_file(os.fspath(path))
+  state = _parse_msgpack(storage.read_bytes(msgpack_path), msgpack_path)
   return T5XTarget(msgpack_path, base_dir, _target_prefix(state),
                    _flatten(_target(state, msgpack_path)))
 
@@ -547,8 +461,8 @@ def _write_zarr(arr: np.ndarray, directory: str, rel: str) -> dict:
   dtype_name = 'bfloat16' if arr.dtype == ml_dtypes.bfloat16 else arr.dtype.name
   metadata = {'chunks': _zarr_chunks(arr.shape, arr.dtype.itemsize),
               'compressor': {'id': 'gzip', 'level': 1}, 'shape': list(arr.shape)}
-  kvstore = _kvstore_spec(_join(directory, rel))
-  stored_driver = 'gcs' if _is_gcs(directory) else 'file'
+  kvstore = storage.kvstore_spec(storage.join(directory, rel))
+  stored_driver = 'gcs' if storage.is_gcs(directory) else 'file'
   store = ts.open({'driver': 'zarr', 'dtype': dtype_name, 'kvstore': kvstore,
                    'metadata': metadata}, create=True, delete_existing=True).result()
   store.write(arr).result()
@@ -568,7 +482,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   complete.
   """
   directory = os.fspath(directory)
-  if not _is_gcs(directory):
+  if not storage.is_gcs(directory):
     os.makedirs(directory, exist_ok=True)
   flat = trees.flatten(params)
   target = {}
@@ -581,7 +495,7 @@ def save_t5x_checkpoint(directory: str | os.PathLike, params, step: int = 0, *,
   state = {'version': WRITE_VERSION, 'target': trees.unflatten(target),
            'state': {'step': _encode_inline(np.asarray(step, np.int32), _EXT_SCALAR),
                      'param_states': {}}}
-  _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
+  storage.write_bytes(storage.join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
   return directory
 
 
@@ -650,7 +564,7 @@ def save_t5x_train_state(directory: str | os.PathLike, params, step: int = 0, *,
     `directory`.
   """
   directory = os.fspath(directory)
-  if not _is_gcs(directory):
+  if not storage.is_gcs(directory):
     os.makedirs(directory, exist_ok=True)
   flat = trees.flatten(params)
   slots = {f'{name}/{slot}': value for name, leaf in flat.items()
@@ -661,7 +575,7 @@ def save_t5x_train_state(directory: str | os.PathLike, params, step: int = 0, *,
                 'param_states': _encode_for_t5x(slots, directory, 'state.param_states',
                                                 zarr_min_bytes)}}
   state = {'version': WRITE_VERSION, 'optimizer': optimizer}
-  _write_bytes(_join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
+  storage.write_bytes(storage.join(directory, 'checkpoint'), msgpack.packb(state, use_bin_type=True))
   return directory
 
 
@@ -677,7 +591,7 @@ def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
   """Whether `path` looks like an Orbax checkpoint (or a T5X CheckpointManager step with a
   `state` item) rather than a legacy one (whose msgpack `checkpoint` sits in the directory)."""
   path = os.fspath(path)
-  return any(_exists(_join(path, marker)) for marker in _ORBAX_MARKERS)
+  return any(storage.exists(storage.join(path, marker)) for marker in _ORBAX_MARKERS)
 
 
 def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
@@ -688,7 +602,7 @@ def load_orbax_checkpoint(path: str | os.PathLike, expected=None, dtype=None) ->
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
-  if not _is_gcs(path):
+  if not storage.is_gcs(path):
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, 'state')) and not os.path.exists(
         os.path.join(path, '_METADATA')):
@@ -745,6 +659,6 @@ def load_checkpoint(path: str | os.PathLike, expected=None, dtype=None) -> dict:
   Any failure reading it is a `CheckpointError` naming `path` (`errors.reading`)."""
   path = os.fspath(path)
   with errors.reading(path, what='T5X checkpoint'):
-    if not _exists(_join(path, 'checkpoint')) and is_orbax_checkpoint(path):
+    if not storage.exists(storage.join(path, 'checkpoint')) and is_orbax_checkpoint(path):
       return load_orbax_checkpoint(path, expected=expected, dtype=dtype)
     return load_t5x_checkpoint(path, expected=expected, dtype=dtype)
