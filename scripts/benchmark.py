@@ -25,23 +25,30 @@ It prints the table and ratios and writes `docs/benchmarks.md` (never edit that 
   python scripts/benchmark.py                       # the full run (about 40 minutes here)
   python scripts/benchmark.py --rounds=1 --max_new_tokens=16 --output=/tmp/b.md  # a smoke run
 
-Workloads: `--workload=demo` (default) decodes the 8 built-in demo prompts. `--workload=
-spec_bench --spec_bench_file=question.jsonl` decodes Spec-Bench's prompts (the public
-benchmark of Xia et al., 2024: MT-bench, translation, summarization, QA, math, RAG; its
-`data/spec_bench/question.jsonl` is Apache-2.0 and not shipped with speclm): the first
-`--per_category` prompts of each category, one per round at batch 1 (so `--rounds` should be
-a multiple of the number of categories), with a table per category. They are an evaluation
-set: nothing in speclm was trained or tuned on them.
+Workloads: `--workload=demo` (default) decodes the 8 built-in demo prompts as above.
+`--workload=spec_bench --spec_bench_file=question.jsonl` runs Spec-Bench (Xia et al., 2024:
+MT-bench with its two turns, translation, summarization, QA, math, RAG; its
+`data/spec_bench/question.jsonl` is Apache-2.0 and not shipped with speclm) on the first
+`--per_category` conversations of each task, every turn, batch 1, at `--temperatures`, every
+method side by side (scripts/spec_bench_methods.py): the baseline, fixed γ, adaptive γ, the
+job's tree policy, the best static tree, prompt lookup alone and (--hf) Hugging Face's
+assisted generation; a later turn follows the method's own reply. It prints the table per task
+and writes it as the report's "Spec-Bench" section, keeping the rest of the report (a demo run
+keeps that section too). The questions are an evaluation set: nothing in speclm was trained or
+tuned on them.
+
+  python scripts/benchmark.py --workload=spec_bench --spec_bench_file=question.jsonl \
+      --per_category=4
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
-import json
 import os
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -67,7 +74,12 @@ from speclm.models import llama
 from speclm.models import lookup
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
+from speclm import tree_decoding
+from speclm.data import conversations
 from speclm.run import calibration
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling module
+import spec_bench_methods  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'Interleaved repetitions of every case.')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per row.')
@@ -104,7 +116,9 @@ _SPEC_BENCH_FILE = flags.DEFINE_string(
     'spec_bench_file', None, 'Spec-Bench\'s question.jsonl (from the repository'
     ' hemingkx/Spec-Bench, data/spec_bench/question.jsonl; not shipped with speclm).')
 _PER_CATEGORY = flags.DEFINE_integer('per_category', 1,
-                                     'Spec-Bench prompts taken from each category.')
+                                     'Spec-Bench conversations taken from each task.')
+_TEMPERATURES = flags.DEFINE_list('temperatures', ['0'],
+                                  'Spec-Bench workload: the sampling temperatures run.')
 _ABLATIONS = flags.DEFINE_bool('ablations', True, 'Include the before/after ablations.')
 _TARGET_LAYERS = flags.DEFINE_integer(
     'target_layers', 0, 'Smoke runs: cut the target to its first N layers (llama.first_layers;'
@@ -226,37 +240,8 @@ def _before_sampling(vocab: int):
 # Cases
 
 
-def read_spec_bench(path: str, per_category: int) -> list[tuple[str, str]]:
-  """(category, first turn) of the first `per_category` questions of each Spec-Bench category,
-  in the file's order. Each line of question.jsonl is {"question_id", "category", "turns"}."""
-  if not path or not os.path.isfile(path):
-    raise app.UsageError(
-        f'--workload=spec_bench needs --spec_bench_file=…/question.jsonl (got {path!r}): the'
-        ' file data/spec_bench/question.jsonl of the public repository hemingkx/Spec-Bench'
-        ' (Apache-2.0), which speclm does not ship.')
-  taken = collections.defaultdict(list)
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        item = json.loads(line)
-        category, text = str(item['category']), str(item['turns'][0])
-      except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise app.UsageError(f'{path}, line {number}: not a Spec-Bench question ({e}).')
-      if len(taken[category]) < per_category:
-        taken[category].append(text)
-  if not taken:
-    raise app.UsageError(f'{path} holds no questions.')
-  # Interleave the categories, so consecutive rounds visit every category in turn.
-  return [(category, texts[i]) for i in range(per_category)
-          for category, texts in taken.items() if i < len(texts)]
-
-
 def workload_prompts() -> list[tuple[str, str]]:
-  """(category, prompt) pairs of the chosen workload."""
-  if _WORKLOAD.value == 'spec_bench':
-    return read_spec_bench(_SPEC_BENCH_FILE.value, _PER_CATEGORY.value)
+  """(category, prompt) pairs of the demo workload (Spec-Bench's runs `run_spec_bench`)."""
   return [('demo', p) for p in builtin_prompts.demo_prompts()]
 
 
@@ -385,6 +370,108 @@ def hf_cases(target, draft, tok, prompts) -> list[Case]:
           make('HF generate()', 1.0, False), make('HF assisted generation', 1.0, True)]
 
 
+# ----------------------------------------------------------------------------------------------
+# Spec-Bench: every method side by side (scripts/spec_bench_methods.py runs and reports them)
+
+def _policy_choice(target, draft, vocabulary, first_turn, temperature: float):
+  """The job's `@tree_policy()` (its default candidates) calibrated as a batch-1 job does:
+  on the first decoded turn, at most 32 new tokens, --cost_repeats timed repeats."""
+  policy = calibration.TreePolicy(
+      calibration.default_candidates(), calibration_rows=1, repeats=_COST_REPEATS.value,
+      calibration_tokens=min(calibration.TreePolicy.calibration_tokens, _MAX_NEW.value))
+  ids = vocabulary.encode_conversation([{'role': 'user', 'content': first_turn.input}])
+  tokens = np.array([ids], np.int32)
+  choice = calibration.choose(policy, target, draft, tokens, np.array([len(ids)], np.int32),
+                              gamma=_GAMMA.value,
+                              sampling=speclm.SamplingConfig(temperature=temperature), seed=0)
+  print(f'tree policy at T={temperature:g}: {choice.summary()}', flush=True)
+  return choice
+
+
+def spec_bench_method_list(models: dict, vocabulary, turns, temperature: float, rule):
+  """The methods side by side: the baseline, fixed γ, adaptive γ (`rule`; None: left out),
+  the tree policy's choice, the best static tree, prompt lookup alone, HF assisted (--hf).
+
+  Args:
+    models: 'target', 'draft' (the trained draft behind prompt lookup, as the demo's),
+      'plain_target', 'plain_draft' (XLA's products, for Hugging Face's export).
+  """
+  target, draft = models['target'], models['draft']
+  method = functools.partial(spec_bench_methods.speclm_method, max_new_tokens=_MAX_NEW.value)
+  chain = functools.partial(speclm.speculative_decode, target, draft, gamma=_GAMMA.value)
+  methods = [method(spec_bench_methods.BASELINE,
+                            functools.partial(speclm.autoregressive_decode, target)),
+             method(f'fixed γ={_GAMMA.value}', chain)]
+  if rule is not None:
+    methods.append(method('adaptive γ', functools.partial(
+        speclm.speculative_decode, target, draft, gamma=rule)))
+  choice = _policy_choice(target, draft, vocabulary, turns[0], temperature)
+  methods.append(method(f'tree policy: {choice.name}', chain if choice.tree is None else
+                                functools.partial(tree_decoding.tree_speculative_decode,
+                                                  target, draft, tree=choice.tree)))
+  name, tree = spec_bench_methods.BEST_STATIC_TREE
+  methods.append(method(f'static tree {name}', functools.partial(
+      tree_decoding.tree_speculative_decode, target, draft, tree=tree)))
+  alone = lookup.prompt_lookup(target.definition.vocab_size)
+  methods.append(method('prompt lookup alone', functools.partial(
+      speclm.speculative_decode, target, alone, gamma=_GAMMA.value)))
+  if _HF.value:
+    methods.append(spec_bench_methods.hf_assisted_method(
+        models['plain_target'], models['plain_draft'], pad_id=vocabulary.pad_id,
+        max_new_tokens=_MAX_NEW.value, gamma=_GAMMA.value, threads=_THREADS.value))
+  return methods
+
+
+def _spec_bench_turns() -> list[conversations.Turn]:
+  """The workload's turns, or a usage error naming the file to get."""
+  if not _SPEC_BENCH_FILE.value:
+    raise app.UsageError(
+        '--workload=spec_bench needs --spec_bench_file=…/question.jsonl: the file'
+        ' data/spec_bench/question.jsonl of the public repository hemingkx/Spec-Bench'
+        ' (Apache-2.0), which speclm does not ship.')
+  try:
+    return spec_bench_methods.read_turns(_SPEC_BENCH_FILE.value, _PER_CATEGORY.value)
+  except conversations.DataError as e:
+    raise app.UsageError(f'{e} (--spec_bench_file: Spec-Bench\'s question.jsonl, from the'
+                         ' public repository hemingkx/Spec-Bench)') from None
+
+
+def run_spec_bench(models: dict, tok, turns: list[conversations.Turn], started: float) -> None:
+  """--workload=spec_bench: every method on every turn, per temperature; prints the tables
+  and writes the report's Spec-Bench section (the rest of the report is kept)."""
+  vocabulary = spec_bench_methods.chat_vocabulary(tok)
+  first = [t for t in turns if t.turn == 1]
+  context = int(np.mean([len(vocabulary.encode(t.input)) for t in first])) + _MAX_NEW.value // 2
+  rule = None
+  if _ADAPTIVE.value:
+    print('timing c and r(γ) for adaptive γ (cached per machine) …', flush=True)
+    rule = calibration.measure_adaptive_gamma(
+        models['target'], models['draft'], max_gamma=_MAX_GAMMA.value, batch_size=1,
+        context_length=context, draft_stopping=_DRAFT_STOPPING.value,
+        num_new_tokens=_COST_TOKENS.value, repeats=_COST_REPEATS.value)
+  results = {}
+  for temperature in [float(t) for t in _TEMPERATURES.value]:
+    methods = spec_bench_method_list(models, vocabulary, turns, temperature, rule)
+    records = spec_bench_methods.run_turns(methods, turns, vocabulary, temperature)
+    results[temperature] = dict(
+        tables=spec_bench_methods.category_tables(records, turns),
+        checks=(spec_bench_methods.exactness_checks(methods, records) if temperature == 0
+                else {}))
+  settings = (f'settings: batch 1, {_MAX_NEW.value} new tokens per turn (end token ignored),'
+              f' γ = {_GAMMA.value}, adaptive γ_max {_MAX_GAMMA.value}, the first'
+              f' {_PER_CATEGORY.value} conversation(s) of each task ({len(turns)} turns; a later'
+              ' turn after the method\'s own reply); draft: the shipped draft' + (
+                  f' behind prompt lookup (min n-gram {_LOOKUP_MIN_NGRAM.value})'
+                  if _LOOKUP_MIN_NGRAM.value else ' alone') + _cut())
+  text = spec_bench_methods.section(
+      results, command=shlex.join(['python', 'scripts/benchmark.py', *sys.argv[1:]]),
+      settings=settings, seconds=time.time() - started)
+  print(text, flush=True)
+  spec_bench_methods.write_section(text, _OUTPUT.value)
+  if not all(all(r['checks'].values()) for r in results.values()):
+    raise SystemExit('A greedy output differs from the baseline\'s: see the checks.')
+
+
 def check_export(draft, hf_draft, tok, prompt) -> float:
   """Largest |logit| difference between our draft and its HF export on a prompt (subset)."""
   import torch  # pylint: disable=import-outside-toplevel
@@ -438,6 +525,7 @@ def row_alphas(stats) -> np.ndarray:
 def main(argv):
   del argv
   started = time.time()
+  turns = _spec_bench_turns() if _WORKLOAD.value == 'spec_bench' else None  # before loading
   print('loading SmolLM2-135M-Instruct and its draft …', flush=True)
   # The plain models (XLA's products) are what Hugging Face export and the byte count read.
   plain_target, tok = smollm2.load()
@@ -451,6 +539,10 @@ def main(argv):
   if _LOOKUP_MIN_NGRAM.value:
     wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value)
     draft, xla_draft = wrap(draft_alone), wrap(plain_draft)
+  if _WORKLOAD.value == 'spec_bench':
+    run_spec_bench(dict(target=target, draft=draft, plain_target=plain_target,
+                        plain_draft=plain_draft), tok, turns, started)
+    return
   float32_draft = None
   if _CPU_KERNELS.value and _ABLATIONS.value:
     float32_draft = _float32_panels(draft_alone)
@@ -631,7 +723,17 @@ def main(argv):
                  base_ms=base_ms, ablations=ablations,
                  context=context, seconds=time.time() - started,
                  draft_card=smollm2_draft.read()[2])
-  benchmarking.write_report(render(summary), _OUTPUT.value)
+  benchmarking.write_report(with_spec_bench_section(render(summary)), _OUTPUT.value)
+
+
+def with_spec_bench_section(report: str) -> str:
+  """`report` followed by the Spec-Bench section of the report now at --output, if it has
+  one (a demo run keeps the last Spec-Bench run's table)."""
+  if not os.path.isfile(_OUTPUT.value):
+    return report
+  with open(_OUTPUT.value, encoding='utf-8') as f:
+    kept = spec_bench_methods.split_section(f.read())[1]
+  return report if not kept else report.rstrip('\n') + '\n\n' + kept.rstrip('\n') + '\n'
 
 
 def per_category(cases, categories) -> dict[str, dict[str, Any]]:
@@ -692,11 +794,7 @@ def render(s: dict) -> str:
       f' batch {_BATCH.value} decodes all {_BATCH.value} demo prompts; Hugging Face runs'
       f' PyTorch on {_THREADS.value} threads, float32, same weights, assisted generation with'
       f' {_GAMMA.value} constant assistant tokens',
-      f'- workload: {_WORKLOAD.value}' + (
-          ' (Spec-Bench, the first'
-          f' {_PER_CATEGORY.value} question(s) of each category; an evaluation set, never'
-          ' trained or tuned on)' if _WORKLOAD.value == 'spec_bench' else
-          ' (the 8 built-in demo prompts)') + '; prompts padded to multiples of 128 tokens',
+      '- workload: the 8 built-in demo prompts; prompts padded to multiples of 128 tokens',
       '',
   ]
   lines += benchmarking.time_table(s['cases'])
