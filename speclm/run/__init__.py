@@ -37,12 +37,20 @@ The package's modules:
   cli          the command line (absl flags, exit statuses)
   gin_cli      gin parsing shared with `python -m speclm.analysis`: --gin.NAME=VALUE, search path,
                errors that say what to change, checkpoint paths checked first
-  providers    everything gin can name: model, vocabulary and dataset providers, settings
-  job          run_job, run_sweep: batches, decoding, resume, merging processes
+  providers    everything gin can name: model, vocabulary and dataset providers (Spec-Bench's
+               conversations: `spec_bench_dataset`), settings
+  job          run_job (gin's surface) as phases, and run_sweep
+  settings     JobSettings: every run_job setting validated before anything is touched
+  records      one batch decoded by each method into predictions.jsonl records
+  turns        multi-turn datasets: a later turn after each method's own earlier reply
+  merge        several processes: process 0 merges every share
+  calibration  what the job measures before decoding: c and r(γ) (cached), the tree policy,
+               and the measuring runs of `python -m speclm.analysis`
   loading      load_job: a job's models and encoded prompts, for other tools
   fingerprint  what determines a job's outputs (job.json), so a resume never mixes two jobs
   errors       JobError and its kinds
-The report (metrics.json, the summary table) is `speclm.analysis.job_metrics`.
+The report (metrics.json, the summary table, the table by category) is
+`speclm.analysis.job_metrics` and `speclm.analysis.category_report`.
 """
 
 from speclm.analysis.job_metrics import compute_metrics
