@@ -163,11 +163,7 @@ def test_5_a_truncated_json_file_is_named(hf_dir, tmp_path, name):
 def test_6_a_missing_config_key_names_key_and_file(hf_dir, tmp_path):
   directory = _copy(hf_dir, tmp_path)
   path = os.path.join(directory, 'config.json')
-  with open(path, encoding='utf-8') as f:
-    config = json.load(f)
-  del config['num_hidden_layers']
-  with open(path, 'w', encoding='utf-8') as f:
-    json.dump(config, f)
+  _drop_key(directory)
   for load in (llm.load_llm, llm.read_llm_config):
     with pytest.raises(errors.CheckpointError) as info:
       load(directory)

@@ -208,8 +208,7 @@ def validate(*, mode, draft, output_dir, gamma, max_gamma, draft_stopping, prior
   tree, policy = _tree(tree, adaptive_gamma=gamma == ADAPTIVE, partitioner=partitioner,
                        speculates='speculative' in methods)
   sampling = providers.provide(sampling, 'The sampling setting', sampling_lib.SamplingConfig)
-  if not _is_int(max_new_tokens) or max_new_tokens < 1:
-    raise JobError(f'run_job.max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.')
+  max_new_tokens = _require_int('max_new_tokens', max_new_tokens, 1)
   max_input_length = _require_int('max_input_length', max_input_length, 1)
   if max_examples is not None:
     _require_int('max_examples', max_examples, 1, ' (None decodes every example)')
