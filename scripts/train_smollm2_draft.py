@@ -289,26 +289,33 @@ def generation_seconds(work_dir: str, default: float = float('nan')) -> float:
 
 
 def load_data(work_dir: str):
+  """(token sequences, reply masks, soft labels): a mask is true on a sequence's reply tokens,
+  those after its prompt, or those a shard's `loss_mask` marks (conversations of several
+  turns, scripts/train_sharegpt_draft.py)."""
   shards = sorted(glob.glob(os.path.join(work_dir, 'gen_*.npz')))
   if not shards:
     raise FileNotFoundError(f'No generated data in {work_dir}; run --stage=generate first.')
-  seqs, prompt_lengths, soft = [], [], []
+  seqs, replies, soft = [], [], []
   for shard in shards:
     labels = shard.replace('gen_', 'label_')
     if not os.path.exists(labels):
-      if _DEADLINE.value is not None and seqs:
-        continue  # labelling was cut short by --deadline_s
+      if seqs or any(os.path.exists(s.replace('gen_', 'label_')) for s in shards):
+        logging.info('%s has no soft labels (labelling was cut short); training without it',
+                     os.path.basename(shard))
+        continue
       raise FileNotFoundError(f'{labels} is missing; run --stage=label first.')
     with np.load(shard) as data, np.load(labels) as soft_labels:
-      for row, n, p, probs, ids in zip(data['tokens'], data['lengths'], data['prompt_lengths'],
-                                       soft_labels['probs'], soft_labels['ids']):
+      masks = (data['loss_mask'] if 'loss_mask' in data else
+               np.arange(data['tokens'].shape[1])[None, :] >= data['prompt_lengths'][:, None])
+      for row, n, reply, probs, ids in zip(data['tokens'], data['lengths'], masks,
+                                           soft_labels['probs'], soft_labels['ids']):
         seqs.append(row[:n])
-        prompt_lengths.append(int(p))
+        replies.append(reply[:n].astype(bool))
         soft.append((probs[:n], ids[:n]))
-  return seqs, prompt_lengths, soft
+  return seqs, replies, soft
 
 
-def choose_subset(seqs, prompt_lengths, size: int, eos_id: int) -> np.ndarray:
+def choose_subset(seqs, replies, size: int, eos_id: int) -> np.ndarray:
   """The `size` most frequent reply tokens (the end token always included), ids ascending.
 
   If the replies hold fewer distinct tokens, the rest of the subset is filled with the lowest
@@ -316,8 +323,8 @@ def choose_subset(seqs, prompt_lengths, size: int, eos_id: int) -> np.ndarray:
   so low ids are the tokens most likely to appear in replies on unseen topics.
   """
   counts: dict[int, int] = {}
-  for s, p in zip(seqs, prompt_lengths):
-    for t in s[p:]:
+  for s, reply in zip(seqs, replies):
+    for t in s[reply]:
       counts[int(t)] = counts.get(int(t), 0) + 1
   counts[eos_id] = max(counts.values()) + 1
   ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
@@ -341,7 +348,7 @@ def initial_params(target, layers) -> dict:
   return trained
 
 
-def make_batches(seqs, prompt_lengths, soft, to_subset, batch_size, rng):
+def make_batches(seqs, replies, soft, to_subset, batch_size, rng):
   """Yields (inputs, labels, loss mask) `[B, T]` in the draft's subset ids and soft labels
   (probabilities, subset ids) `[B, T, k]`, forever."""
   top_k = soft[0][0].shape[-1]
@@ -361,14 +368,14 @@ def make_batches(seqs, prompt_lengths, soft, to_subset, batch_size, rng):
         s = to_subset[seqs[i]]
         inputs[b, :len(s)] = s
         labels[b, :len(s) - 1] = s[1:]
-        mask[b, prompt_lengths[i] - 1:len(s) - 1] = 1.0  # positions predicting reply tokens
+        mask[b, :len(s) - 1] = replies[i][1:]  # positions predicting reply tokens
         probs, ids = soft[i]
         soft_probs[b, :len(s)] = probs
         soft_ids[b, :len(s)] = to_subset[ids]  # tokens outside the subset -> "other"
       yield inputs, labels, mask, soft_probs, soft_ids
 
 
-def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
+def train(target, seqs, replies, soft, subset_ids, layers):
   num_layers = len(layers)
   config = smollm2_draft.draft_config(target.definition.config, num_layers, len(subset_ids))
   definition = llama.Llama(config)
@@ -389,7 +396,7 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
     total = jnp.maximum(mask.sum(), 1.0)
     return (nll * mask).sum() / total, (correct * mask).sum() / total
 
-  tokens_per_epoch = sum(len(s) - p for s, p in zip(seqs, prompt_lengths))
+  tokens_per_epoch = sum(int(reply.sum()) for reply in replies)
   steps_per_epoch = max(1, len(seqs) // _BATCH.value)
   steps = max(1, int(_EPOCHS.value * steps_per_epoch))
   warmup = min(100, steps // 10 + 1)
@@ -419,7 +426,7 @@ def train(target, seqs, prompt_lengths, soft, subset_ids, layers):
 
   logging.info('training %d steps (%d sequences, %d reply tokens per epoch)', steps, len(seqs),
                tokens_per_epoch)
-  batches = make_batches(seqs, prompt_lengths, soft, maps['to_subset'], _BATCH.value,
+  batches = make_batches(seqs, replies, soft, maps['to_subset'], _BATCH.value,
                          np.random.RandomState(_SEED.value))
   start = time.time()
   schedule = _schedule(warmup, steps)
@@ -606,10 +613,10 @@ def main(argv):
   if _STAGE.value == 'label':
     return
   gen_seconds = generation_seconds(_WORK_DIR.value)
-  seqs, prompt_lengths, soft = load_data(_WORK_DIR.value)
-  subset_ids = choose_subset(seqs, prompt_lengths, _SUBSET.value, tok.eos_id)
+  seqs, replies, soft = load_data(_WORK_DIR.value)
+  subset_ids = choose_subset(seqs, replies, _SUBSET.value, tok.eos_id)
   layers = [int(x) for x in _INIT_LAYERS.value]
-  trained, train_info = train(target, seqs, prompt_lengths, soft, subset_ids, layers)
+  trained, train_info = train(target, seqs, replies, soft, subset_ids, layers)
   self_prompts_path = os.path.join(_WORK_DIR.value, 'self_prompts.json')
   self_prompts = (len(json.load(open(self_prompts_path, encoding='utf-8')))
                   if _SELF_PROMPTS.value and os.path.exists(self_prompts_path) else 0)

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+from flax import serialization
 from absl import app
 from absl import flags
 from absl import logging
@@ -71,8 +72,8 @@ _WORK_DIR = flags.DEFINE_list('work_dir', None,
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', smollm2_draft.EAGLE_DIR,
                                   'Where the draft file and its model card go.')
 _STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'features', 'train', 'evaluate'],
-                           'features, train (needs features), evaluate (re-measures the draft'
-                           ' in --output_dir), or all three.')
+                           'features, train (on the shards with features), evaluate'
+                           ' (re-measures the draft in --output_dir), or all three.')
 _FEATURE_LAYERS = flags.DEFINE_string(
     'feature_layers', 'eagle3', "The target features the draft reads: 'eagle3' (layers 2, 15"
     " and 27: EAGLE-3), 'final' (the final hidden states: EAGLE), or decoder layers such as"
@@ -81,6 +82,9 @@ _TTT_STEPS = flags.DEFINE_integer('ttt_steps', 3, 'Training-time test: steps the
                                   ' unrolled on its own features (EAGLE-3 only; 1 = teacher'
                                   ' forcing alone).')
 _NUM_LAYERS = flags.DEFINE_integer('num_layers', 1, 'Decoder layers of the draft.')
+_INPUT_NORMS = flags.DEFINE_bool('input_norms', False,
+                                 "RMSNorms on the draft's two inputs before the fusion (EAGLE-3's"
+                                 ' `hidden_norm`; `eagle.EagleDraft.input_norms`).')
 _INIT_LAYER = flags.DEFINE_integer('init_layer', 29, 'Target layer the draft layers start from.')
 _EPOCHS = flags.DEFINE_float('epochs', 8.0, 'Passes over the data.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
@@ -94,6 +98,19 @@ _HELDOUT_SHARDS = flags.DEFINE_integer('heldout_shards', 1,
 _TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', None,
                                    'If set, training stops after this many seconds.')
 _FEATURE_BATCH = flags.DEFINE_integer('feature_batch', 8, 'Sequences per feature call.')
+_FEATURE_BACKEND = flags.DEFINE_enum(
+    'feature_backend', 'jax', ['jax', 'torch'],
+    "The target's forward pass for features and soft labels: 'jax' (float32, the model that"
+    " decodes) or 'torch' (Hugging Face's LlamaForCausalLM with the same weights in bfloat16:"
+    ' oneDNN uses AVX512-BF16/AMX where the CPU has them; about 2x faster on 2 cores).')
+_FEATURE_BUDGET = flags.DEFINE_float('feature_budget_s', None,
+                                     'If set, the features stage stops starting new shards after'
+                                     ' this many seconds (rerun to continue; training uses the'
+                                     ' shards that have features).')
+_RESUME = flags.DEFINE_bool('resume', True, 'Continue training from the state the train stage'
+                            ' saved in the first --work_dir (train_state.msgpack), if any.')
+_SAVE_EVERY = flags.DEFINE_float('save_every_s', 300.0,
+                                 'Seconds between saves of the training state.')
 _WIDTH_BUCKET = flags.DEFINE_integer('width_bucket', 32, 'Batches are padded to a multiple.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed for initialisation, shuffling and evaluation.')
 _EVALUATE = flags.DEFINE_bool('evaluate', True,
@@ -170,28 +187,26 @@ def features(target, layers) -> None:
   if not shards:
     raise FileNotFoundError(f'No generated data in {", ".join(_WORK_DIR.value)}; run'
                             ' scripts/train_smollm2_draft.py --stage=generate first.')
-  definition = target.definition.with_feature_layers(layers)
   top_k = _TOP_K.value
-
-  @jax.jit
-  def forward(params, tokens):
-    cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
-    logits, features, _ = definition.extend_with_features(params, tokens, cache)
-    features = jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), jnp.uint16)
-    probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), max(top_k, 1))
-    return features, probs.astype(jnp.float16), ids
-
-  for shard in shards:
+  forward = (torch_forward if _FEATURE_BACKEND.value == 'torch' else jax_forward)(
+      target, layers, max(top_k, 1))
+  heldout = _HELDOUT_SHARDS.value
+  shards = shards[len(shards) - heldout:] + shards[:len(shards) - heldout]  # held out first
+  begin = time.time()
+  for number, shard in enumerate(shards):
     out, labels_out = feature_file(shard, layers), label_file(shard)
     if os.path.exists(out) and (not top_k or os.path.exists(labels_out)):
       continue
+    if _FEATURE_BUDGET.value and time.time() - begin > _FEATURE_BUDGET.value:
+      logging.info('features: budget of %.0fs spent; %d of %d shards left for a later run',
+                   _FEATURE_BUDGET.value, len(shards) - number, len(shards))
+      return
     start = time.time()
     with np.load(shard) as data:
       tokens = data['tokens']
     (rows, width), step = tokens.shape, _FEATURE_BATCH.value
     tokens = np.pad(tokens, [(0, -rows % step), (0, _bucket(width) - width)])
-    parts = [jax.device_get(forward(target.params, jnp.asarray(tokens[i:i + step])))
-             for i in range(0, len(tokens), step)]
+    parts = [forward(tokens[i:i + step]) for i in range(0, len(tokens), step)]
     seconds = time.time() - start
     if not os.path.exists(out):
       _save(out, features=np.concatenate([f for f, _, _ in parts])[:rows, :width],
@@ -199,8 +214,47 @@ def features(target, layers) -> None:
     if top_k and not os.path.exists(labels_out):
       _save(labels_out, probs=np.concatenate([p for _, p, _ in parts])[:rows, :width],
             ids=np.concatenate([i for _, _, i in parts])[:rows, :width].astype(np.int32))
-    logging.info('features%s of %s in %.1fs', ' and soft labels' if top_k else '',
-                 os.path.basename(shard), seconds)
+    logging.info('features%s of %s (%d of %d) in %.1fs: %.0f tokens/s',
+                 ' and soft labels' if top_k else '', os.path.basename(shard), number + 1,
+                 len(shards), seconds, rows * width / seconds)
+
+
+def jax_forward(target, layers, top_k: int):
+  """tokens `[B, T]` -> (features `[B, T, F]` bfloat16 as uint16, top-k probabilities float16,
+  their ids), from the float32 model that decodes."""
+  definition = target.definition.with_feature_layers(layers)
+
+  @jax.jit
+  def forward(params, tokens):
+    cache = definition.init_cache(tokens.shape[0], tokens.shape[1])
+    logits, features, _ = definition.extend_with_features(params, tokens, cache)
+    features = jax.lax.bitcast_convert_type(features.astype(jnp.bfloat16), jnp.uint16)
+    probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    return features, probs.astype(jnp.float16), ids
+
+  return lambda tokens: jax.device_get(forward(target.params, jnp.asarray(tokens)))
+
+
+def torch_forward(target, layers, top_k: int):
+  """As `jax_forward`, from Hugging Face's model of the same weights in bfloat16 (features
+  within bfloat16 rounding of the float32 ones; `tests/test_train_eagle_script.py` compares)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(os.cpu_count() or 1)
+  model = hf_llama.to_transformers(target).to(torch.bfloat16)
+
+  def forward(tokens):
+    with torch.inference_mode():
+      out = model(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
+      if layers is None:
+        features = out.hidden_states[-1]  # after the final norm: the head's input
+      else:  # hidden_states[i + 1] is the output of decoder layer i (counted from 0)
+        features = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+      probs, ids = torch.topk(torch.softmax(out.logits.float(), dim=-1), top_k, dim=-1)
+    features = features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return features, probs.to(torch.float16).numpy(), ids.numpy().astype(np.int32)
+
+  return forward
 
 
 def _save(path: str, **arrays) -> None:
@@ -211,13 +265,21 @@ def _save(path: str, **arrays) -> None:
 
 
 def load_data(layers):
-  """[(tokens [T], features [T, F] as stored, prompt length, soft labels)] per sequence, for
-  the training and held-out shards; soft labels are (probabilities [T, k], ids [T, k]), or
-  None without --label_top_k."""
+  """[(tokens [T], features [T, F] as stored, prompt length or reply mask [T], soft labels)]
+  per sequence, for the training and held-out shards; soft labels are (probabilities [T, k],
+  ids [T, k]), or None without --label_top_k. A shard with `loss_mask` (conversations of
+  several turns, `scripts/train_sharegpt_draft.py`) gives the mask instead of a prompt
+  length. Training shards without features yet (a features stage stopped by its budget) are
+  left out, with a line saying so."""
   pairs = []
-  for shard in _shards('gen_*.npz'):
+  shards = _shards('gen_*.npz')
+  for number, shard in enumerate(shards):
     feat = feature_file(shard, layers)
     if not os.path.exists(feat):
+      if number < len(shards) - _HELDOUT_SHARDS.value:
+        logging.info('%s has no features yet; training without it', os.path.basename(shard))
+        pairs.append([])
+        continue
       raise FileNotFoundError(f'{feat} is missing; run --stage=features first.')
     soft = itertools.repeat(None)
     if _TOP_K.value:
@@ -226,9 +288,11 @@ def load_data(layers):
       with np.load(label_file(shard)) as labels:
         soft = [(p, i) for p, i in zip(labels['probs'], labels['ids'])]
     with np.load(shard) as data, np.load(feat) as f:
-      pairs.append([(row[:n], h[:n], p, None if s is None else (s[0][:n], s[1][:n]))
+      replies = (data['loss_mask'] if 'loss_mask' in data else data['prompt_lengths'])
+      pairs.append([(row[:n], h[:n], p[:n] if p.ndim else p,
+                     None if s is None else (s[0][:n], s[1][:n]))
                     for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
-                                               data['prompt_lengths'], soft)])
+                                               replies, soft)])
   cut = len(pairs) - _HELDOUT_SHARDS.value
   return sum(pairs[:cut], []), sum(pairs[cut:], [])
 
@@ -261,7 +325,10 @@ def make_batch(seqs, picked, to_head, replies_only=False):
       probs, ids = soft[0][:, :top_k], to_head[soft[1][:, :top_k]]
       soft_probs[b, :len(s), :probs.shape[1]] = np.where(ids >= 0, probs, 0.0)
       soft_labels[b, :len(s), :ids.shape[1]] = np.maximum(ids, 0)
-    mask[b, prompt_length - 1 if replies_only else 0:len(s) - 1] = 1.0
+    if np.ndim(prompt_length):  # a reply mask: position t counts if token t + 1 is a reply's
+      mask[b, :len(s) - 1] = prompt_length[1:len(s)]
+    else:
+      mask[b, prompt_length - 1 if replies_only else 0:len(s) - 1] = 1.0
   return tokens, feats, labels, soft_probs, soft_labels, mask
 
 
@@ -315,11 +382,12 @@ def ttt_loss_fn(definition, frozen, trained, tokens, feats, labels, soft_probs, 
   return total_loss / total_weight, (accuracies[0], accuracies[-1])
 
 
-def train(target, head_ids, layers):
-  seqs, heldout = load_data(layers)
+def _initial_draft(target, head_ids, layers):
+  """(definition, trained parameters, frozen ones) of a new draft: the decoder layers start
+  from target layer --init_layer, the rest at random; the head is borrowed, not trained."""
   config = eagle.draft_config(target.definition.config, _NUM_LAYERS.value, len(head_ids))
-  definition = eagle.EagleDraft(config, target.vocab_size, layers)
-  loss = loss_fn if layers is None else ttt_loss_fn
+  definition = eagle.EagleDraft(config, target.vocab_size, layers,
+                                input_norms=_INPUT_NORMS.value)
   params = definition.init_params(jax.random.key(_SEED.value),
                                   target.params['embedder']['embedding'], head_ids)
   trained = definition.trained(params)
@@ -328,15 +396,68 @@ def train(target, head_ids, layers):
         jnp.array, target.params[f'layers_{_INIT_LAYER.value}'])
   del trained['head']
   frozen = {k: v for k, v in params.items() if k not in trained}
+  return definition, trained, frozen
+
+
+def learning_rate(step: int, progress: float) -> float:
+  """AdamW's rate: linear warm-up over the first 100 steps, then a cosine decay over
+  `progress` (the fraction of the epochs, or of --train_budget_s, spent)."""
+  warmup = min(1.0, (step + 1) / 100)
+  return _LR.value * warmup * 0.5 * (1.0 + np.cos(np.pi * min(progress, 1.0)))
+
+
+def draft_logits(definition, params, tokens, feats, layers):
+  """Logits `[steps, B, T, S]`: EAGLE-3's unrolled steps, or EAGLE's one teacher-forced step."""
+  if layers is not None:
+    return eagle.training_time_test(definition, params, tokens, feats, _TTT_STEPS.value)
+  before = jnp.pad(feats[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  _, logits, _ = definition.apply(params, tokens, before,
+                                  definition.init_cache(tokens.shape[0], tokens.shape[1]))
+  return logits[None]
+
+
+def acceptance_metrics(logits, labels, soft_probs, soft_labels, mask):
+  """Teacher-forced estimates of α per unrolled step, summed over masked positions (divide by
+  the count, the last entry): greedy agreement (the draft's argmax is the target's, α at T = 0
+  where every earlier proposal was accepted) and Σ min(p, q) over the target's top-k tokens (a
+  lower bound of α at T = 1, paper eq. 1), and the draft's argmax accuracy on the text."""
+  q = jax.nn.softmax(logits, -1)  # [steps, B, T, S]
+  draft_top = jnp.argmax(logits, -1)
+  out = []
+  for j in range(logits.shape[0]):
+    counted = mask * (jnp.arange(mask.shape[1]) >= j)[None, :]
+    # the target's argmax, where it is in the head (its probability > 0 there)
+    greedy = (draft_top[j] == soft_labels[..., 0]) * (soft_probs[..., 0] > 0)
+    overlap = jnp.sum(jnp.minimum(soft_probs, jnp.take_along_axis(q[j], soft_labels, -1)), -1)
+    text = draft_top[j] == labels
+    out.append(jnp.stack([jnp.sum(greedy * counted), jnp.sum(overlap * counted),
+                          jnp.sum(text * counted), jnp.sum(counted)]))
+  return jnp.stack(out)
+
+
+def train(target, head_ids, layers):
+  """Trains the draft on every shard with features; returns (trained parameters, metadata).
+
+  Saves its state every --save_every_s into the first --work_dir and, with --resume, goes on
+  from it. With --train_budget_s the learning rate decays over the budget, not the epochs.
+  Every save also appends held-out acceptance estimates (`acceptance_metrics`) against
+  positions seen to training_curve.jsonl there.
+  """
+  seqs, heldout = load_data(layers)
+  definition, trained, frozen = _initial_draft(target, head_ids, layers)
+  loss = loss_fn if layers is None else ttt_loss_fn
   to_head = np.full((target.vocab_size,), -1, np.int32)
   to_head[head_ids] = np.arange(len(head_ids))
-
-  steps_per_epoch = max(1, len(seqs) // _BATCH.value)
-  steps = max(1, int(_EPOCHS.value * steps_per_epoch))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, _LR.value, min(100, steps // 10 + 1),
-                                                steps)
-  optimizer = optax.adamw(schedule, weight_decay=0.01)
-  opt_state = optimizer.init(trained)
+  steps = max(1, int(_EPOCHS.value * max(1, len(seqs) // _BATCH.value)))
+  optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=_LR.value, weight_decay=0.01)
+  state = dict(trained=trained, opt_state=optimizer.init(trained), step=0, seconds=0.0,
+               positions=0, loss=0.0)
+  state_path = os.path.join(_WORK_DIR.value[0], f'train_state{_tag(layers)}.msgpack')
+  if _RESUME.value and os.path.exists(state_path):
+    with open(state_path, 'rb') as f:
+      state = serialization.from_bytes(state, f.read())
+    logging.info('resuming from %s at step %d (%.0fs, %d positions)', state_path,
+                 int(state['step']), float(state['seconds']), int(state['positions']))
 
   # The frozen arrays (the target's embedding table, the head) are arguments of the compiled
   # steps, not constants folded into them: a constant of 100+ MB makes every compile slow.
@@ -348,49 +469,86 @@ def train(target, head_ids, layers):
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, value, aux
 
-  evaluate_batch = jax.jit(lambda trained, frozen, *batch: loss(
-      definition, frozen, trained, *batch, 0.0)[1])
+  metrics_of_batch = jax.jit(lambda trained, frozen, tokens, feats, *rest: acceptance_metrics(
+      draft_logits(definition, {**frozen, **trained}, tokens, feats, layers), *rest))
 
-  def heldout_accuracy(trained):
-    correct = count = 0.0
-    for start in range(0, len(heldout), _BATCH.value):
-      batch = make_batch(heldout, list(range(start, min(start + _BATCH.value, len(heldout)))),
+  def heldout_metrics(trained):
+    total = 0.0
+    for first in range(0, len(heldout), _BATCH.value):
+      batch = make_batch(heldout, list(range(first, min(first + _BATCH.value, len(heldout)))),
                          to_head, replies_only=True)
-      accuracy, _ = evaluate_batch(trained, frozen, *map(jnp.asarray, batch))
-      correct += float(accuracy) * batch[-1].sum()
-      count += batch[-1].sum()
-    return correct / max(count, 1.0)
+      total = total + np.asarray(metrics_of_batch(trained, frozen, *map(jnp.asarray, batch)))
+    count = np.maximum(total[:, 3], 1.0)
+    return dict(positions=int(state['positions']), step=int(state['step']),
+                seconds=round(float(state['seconds']), 1),
+                greedy_agreement=[round(float(v), 4) for v in total[:, 0] / count],
+                overlap_top_k=[round(float(v), 4) for v in total[:, 1] / count],
+                text_accuracy=[round(float(v), 4) for v in total[:, 2] / count])
+
+  saved_at, last_point = [-1], {}  # the step of the last save, its held-out metrics
+
+  def save(curve: bool):
+    if saved_at[0] == int(state['step']):
+      return
+    saved_at[0] = int(state['step'])
+    with open(state_path + '.tmp', 'wb') as f:
+      f.write(serialization.to_bytes(state))
+    os.replace(state_path + '.tmp', state_path)
+    if curve and heldout:
+      point = heldout_metrics(state['trained'])
+      last_point.update(point)
+      logging.info('held out: %s', point)
+      with open(os.path.join(_WORK_DIR.value[0], f'training_curve{_tag(layers)}.jsonl'),
+                'a', encoding='utf-8') as f:
+        f.write(json.dumps(point) + '\n')
 
   tokens_per_epoch = sum(len(s) for s, _, _, _ in seqs)
-  logging.info('training %d steps on %d sequences (%d tokens per epoch); %d held out', steps,
-               len(seqs), tokens_per_epoch, len(heldout))
-  rng = np.random.RandomState(_SEED.value)
-  key = jax.random.key(_SEED.value + 1)
-  start, i, order = time.time(), 0, np.arange(len(seqs))
-  while i < steps:
+  logging.info('training on %d sequences (%d tokens per epoch, %d steps for --epochs=%g); %d'
+               ' held out', len(seqs), tokens_per_epoch, steps, _EPOCHS.value, len(heldout))
+  rng = np.random.RandomState(_SEED.value + int(state['step']))
+  key = jax.random.key(_SEED.value + 1 + int(state['step']))
+  start, last_save, order = time.time() - float(state['seconds']), time.time(), np.arange(len(seqs))
+  budget = _TRAIN_BUDGET.value
+  done = lambda: (int(state['step']) >= steps if not budget else
+                  time.time() - start >= budget)
+  while not done():
     rng.shuffle(order)
     for first in range(0, len(order) - _BATCH.value + 1, _BATCH.value):
       key, noise_key = jax.random.split(key)
       batch = make_batch(seqs, order[first:first + _BATCH.value], to_head)
-      trained, opt_state, value, (accuracy, other) = step(
-          trained, opt_state, frozen, noise_key, *map(jnp.asarray, batch))
-      if i % 25 == 0 or i == steps - 1:
-        logging.info('step %d/%d loss %.3f argmax accuracy %.3f %s %.3f (%.0fs)', i + 1, steps,
-                     float(value), float(accuracy),
+      i = int(state['step'])
+      progress = (time.time() - start) / budget if budget else i / steps
+      state['opt_state'].hyperparams['learning_rate'] = jnp.asarray(learning_rate(i, progress))
+      state['trained'], state['opt_state'], value, (accuracy, other) = step(
+          state['trained'], state['opt_state'], frozen, noise_key, *map(jnp.asarray, batch))
+      state.update(step=i + 1, seconds=time.time() - start, loss=float(value),
+                   positions=int(state['positions']) + int(batch[-1].sum()))
+      if i % 25 == 0:
+        logging.info('step %d loss %.3f argmax accuracy %.3f %s %.3f; %d positions (%.0fs%s)',
+                     i + 1, float(value), float(accuracy),
                      'smooth-L1' if layers is None else f'at unrolled step {_TTT_STEPS.value}',
-                     float(other), time.time() - start)
-      i += 1
-      if i >= steps or (_TRAIN_BUDGET.value and time.time() - start > _TRAIN_BUDGET.value):
-        steps = i
+                     float(other), int(state['positions']), time.time() - start,
+                     f' of {budget:.0f}s' if budget else f', {steps} steps')
+      if time.time() - last_save > _SAVE_EVERY.value:
+        save(curve=True)
+        last_save = time.time()
+      if done():
         break
-  accuracy = heldout_accuracy(trained)
-  logging.info('held-out teacher-forced accuracy on replies %.3f after %d steps', accuracy,
-               steps)
-  return trained, dict(steps=steps, batch_size=_BATCH.value,
-                       epochs=round(steps * _BATCH.value / len(seqs), 2),
-                       train_seconds=round(time.time() - start, 1), sequences=len(seqs),
-                       tokens_per_epoch=int(tokens_per_epoch), final_loss=float(value),
-                       heldout_accuracy=round(float(accuracy), 4))
+  save(curve=True)
+  point = last_point if last_point or not heldout else heldout_metrics(state['trained'])
+  return state['trained'], dict(
+      steps=int(state['step']), batch_size=_BATCH.value,
+      epochs=round(int(state['step']) * _BATCH.value / max(len(seqs), 1), 2),
+      train_seconds=round(float(state['seconds']), 1), sequences=len(seqs),
+      tokens_per_epoch=int(tokens_per_epoch), positions_seen=int(state['positions']),
+      final_loss=float(state['loss']),
+      heldout_accuracy=point.get('text_accuracy', [0.0])[0],
+      heldout_greedy_agreement=point.get('greedy_agreement'),
+      heldout_overlap_top_k=point.get('overlap_top_k'))
+
+
+def _tag(layers) -> str:
+  return '-final' if layers is None else '-l' + '-'.join(map(str, layers))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,6 +665,8 @@ def _recorded_seconds(layers) -> tuple[float, float]:
                    if os.path.exists(os.path.join(d, 'generation_seconds.txt')))
   feature = 0.0
   for path in (feature_file(shard, layers) for shard in _shards('gen_*.npz')):
+    if not os.path.exists(path):  # a shard the features stage's budget left out
+      continue
     with np.load(path) as data:
       feature += float(data['seconds']) if 'seconds' in data else 0.0
   return generation, feature
@@ -529,7 +689,8 @@ def main(argv):
     trained, head_ids, metadata = smollm2_draft.read(path)
   else:
     layers = feature_layers(target.definition.config.num_layers)
-    features(target, layers)
+    if _STAGE.value in ('all', 'features'):
+      features(target, layers)
     if _STAGE.value == 'features':
       return
     _, head_ids, _ = smollm2_draft.read()  # the shipped draft's token subset
@@ -539,6 +700,7 @@ def main(argv):
         feature_layers=None if layers is None else list(layers),
         ttt_steps=1 if layers is None else _TTT_STEPS.value,
         num_layers=_NUM_LAYERS.value, init_layer=_INIT_LAYER.value, head_size=len(head_ids),
+        input_norms=_INPUT_NORMS.value,
         embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
         learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
         label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value if _TOP_K.value else 0.0,

@@ -434,6 +434,36 @@ def test_measured_costs_are_cached(tmp_path, monkeypatch, target):
   assert again.verify_costs == rule.verify_costs
 
 
+def test_a_jobs_theorem_costs_are_cached_apart_from_the_adaptive_ones(tmp_path, monkeypatch,
+                                                                      target):
+  """`measure_costs_cached` (a job's c and r for Theorem 3.8) times once per machine, model
+  pair, γ and context; its files sit beside the adaptive rule's under their own keys."""
+  monkeypatch.setenv('SPECLM_COST_CACHE', str(tmp_path))
+  draft = _perturbed(target, 0.3, seed=1)
+  calls = []
+  real = costs_lib.measure_costs
+  monkeypatch.setattr(costs_lib, 'measure_costs',
+                      lambda *a, **k: calls.append(k['gamma']) or real(*a, **k))
+  first = costs_lib.measure_costs_cached(target, draft, gamma=2, context_length=8,
+                                         num_steps=2, repeats=1)
+  again = costs_lib.measure_costs_cached(target, draft, gamma=2, context_length=8,
+                                         num_steps=2, repeats=1)
+  assert calls == [2] and again == first and first.c > 0 and first.r > 0
+  costs_lib.measure_costs_cached(target, draft, gamma=3, context_length=8, num_steps=2,
+                                 repeats=1)
+  costs_lib.measure_costs_cached(target, draft, gamma=2, context_length=8, num_steps=2,
+                                 repeats=1, use_cache=False)
+  assert calls == [2, 3, 2] and len(os.listdir(tmp_path)) == 2
+  costs_lib.measure_adaptive_gamma(target, draft, max_gamma=2, context_length=8)
+  assert len(os.listdir(tmp_path)) == 3  # the rule's own entry, not the γ = 2 one
+  for name in os.listdir(tmp_path):  # a damaged file is timed again and rewritten
+    (tmp_path / name).write_text('{not json')
+  for _ in range(2):
+    costs_lib.measure_costs_cached(target, draft, gamma=2, context_length=8, num_steps=2,
+                                   repeats=1)
+  assert calls == [2, 3, 2, 2]
+
+
 def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch):
   """The cost cache key covers the source of the loop, models and kernel (an edit to them
   re-times), not the rest of speclm. A listed file this copy lacks (decode_common.py here) is

@@ -285,10 +285,12 @@ def test_eagle3_reads_the_hidden_states_of_its_layers(target):
   assert not np.allclose(taps[..., :32], final)  # the top layer's output is not the head's input
 
 
-@pytest.mark.parametrize('gamma', [1, 3])
-def test_eagle3_greedy_speculative_equals_baseline(target, gamma):
-  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1))
+@pytest.mark.parametrize('gamma,input_norms', [(1, False), (3, False), (3, True)])
+def test_eagle3_greedy_speculative_equals_baseline(target, gamma, input_norms):
+  draft = eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1),
+                             input_norms=input_norms)
   assert set(draft.params) >= {'reduce', 'final_norm', 'fuse', 'layers_0', 'head'}
+  assert input_norms == ({'embedding_norm', 'feature_norm'} <= set(draft.params))
   base = speclm.autoregressive_decode(target, PROMPTS, LENGTHS, max_new_tokens=24)
   spec = speclm.speculative_decode(target, draft, PROMPTS, LENGTHS, gamma=gamma,
                                    max_new_tokens=24)
@@ -336,12 +338,14 @@ def test_eagle3_rounds_replay_on_teacher_forced_beta(six_token_target, monkeypat
     testing.check_greedy_replay(target, draft, PROMPTS % 6, LENGTHS, gamma=1, max_new_tokens=40)
 
 
-@pytest.mark.parametrize('feature_layers', [None, (0, 1)])
-def test_training_time_test_unrolls_as_the_draft_drafts(target, feature_layers):
+@pytest.mark.parametrize('feature_layers,input_norms', [(None, False), ((0, 1), False),
+                                                        ((0, 1), True)])
+def test_training_time_test_unrolls_as_the_draft_drafts(target, feature_layers, input_norms):
   """Step j of `eagle.training_time_test` at position t gives the logits the draft computes in a
   round: prefilled and re-fed with the target's features up to the verified position t − j,
   then extended token by token on its own predicted features."""
-  draft = eagle.random_draft(target, num_layers=1, seed=2, feature_layers=feature_layers)
+  draft = eagle.random_draft(target, num_layers=1, seed=2, feature_layers=feature_layers,
+                             input_norms=input_norms)
   definition = draft.definition
   tokens = jnp.asarray(PROMPTS[1:])  # [1, 7]
   source = target.definition.with_feature_layers(feature_layers)

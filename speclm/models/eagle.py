@@ -23,7 +23,8 @@ has while drafting).
 
 Parameters: `{'fuse': {'kernel': [2D, D]}, 'layers_{i}': <llama.DecoderLayer>,
 'head': {'kernel': [D, S]}, 'embedding': [V, D], 'head_ids': [S] int32}`, and for EAGLE-3
-`'reduce': {'kernel': [n·D, D]}, 'final_norm': {'scale': [D]}`; `embedding` and the head are
+`'reduce': {'kernel': [n·D, D]}, 'final_norm': {'scale': [D]}` (and with `input_norms`
+`'embedding_norm'`, `'feature_norm'`: `{'scale': [D]}`); `embedding` and the head are
 the target's embedding table and its rows for S (borrowed, not trained).
 
 Shape letters: B batch, K new tokens, D width, S head tokens, V vocabulary.
@@ -56,6 +57,7 @@ class EagleModule(nn.Module):
 
   config: llama.LlamaConfig
   target_layers: int = 0
+  input_norms: bool = False
 
   @nn.compact
   def __call__(self, embedded, features, cache: llama.KVCache, positions=None, visible=None):
@@ -72,7 +74,11 @@ class EagleModule(nn.Module):
     if self.target_layers and features.shape[-1] == self.target_layers * d:
       features = llama.Kernel((self.target_layers * d, d), 'BKE,ED->BKD', self.target_layers * d,
                               pd, dt, name='reduce')(features)
-    fused = jnp.concatenate([embedded.astype(dt), features], axis=-1)
+    embedded = embedded.astype(dt)
+    if self.input_norms:  # EAGLE-3's: both inputs at one scale (SmolLM2's features reach 1e3+)
+      embedded = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='embedding_norm')(embedded)
+      features = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='feature_norm')(features)
+    fused = jnp.concatenate([embedded, features], axis=-1)
     x = llama.Kernel((2 * d, d), 'BKE,ED->BKD', 2 * d, pd, dt, name='fuse')(fused)
     keys, values = [], []
     for i in range(c.num_layers):
@@ -99,6 +105,9 @@ class EagleDraft(protocol.FeatureConditionedDraft):
   # None: EAGLE's draft (the target's final hidden states); else EAGLE-3's, reading the hidden
   # states after these target layers (at least two, e.g. a low, a middle and a high one).
   feature_layers: tuple[int, ...] | None = None
+  # RMSNorms on the token embedding and the (projected) features before the fusion, as
+  # EAGLE-3 has them (`embedding_norm`, `feature_norm`); drafts trained before have none.
+  input_norms: bool = False
 
   def __post_init__(self):
     if self.feature_layers is not None and len(self.feature_layers) < 2:
@@ -123,7 +132,7 @@ class EagleDraft(protocol.FeatureConditionedDraft):
   @property
   def module(self) -> EagleModule:
     """The Flax module (feature fusion, the draft's layers, the subset head)."""
-    return EagleModule(self.config, len(self.feature_layers or ()))
+    return EagleModule(self.config, len(self.feature_layers or ()), self.input_norms)
 
   @property
   def _layers(self) -> llama.Llama:
@@ -208,7 +217,8 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
   rounded to bfloat16)."""
   target_config = target.definition.config
   config = draft_config(target_config, num_layers, len(head_ids), target_config.dtype)
-  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers))
+  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers),
+                         input_norms='feature_norm' in trained)
   trained = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.param_dtype), trained)
   params = definition.with_target_embedding(trained, target.params['embedder']['embedding'],
                                             head_ids)
@@ -222,13 +232,15 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
 
 
 def random_draft(target: protocol.Model, num_layers: int = 1, head_size: int | None = None,
-                 seed: int = 0, feature_layers=None) -> protocol.Model:
+                 seed: int = 0, feature_layers=None, input_norms: bool = False
+                 ) -> protocol.Model:
   """An untrained EAGLE draft for a Llama `target` (tests, examples); its head covers the
-  first `head_size` token ids (all by default). With `feature_layers`, an EAGLE-3 one."""
+  first `head_size` token ids (all by default). With `feature_layers`, an EAGLE-3 one;
+  `input_norms`: with `EagleDraft.input_norms`."""
   head_ids = np.arange(head_size or target.vocab_size, dtype=np.int32)
   config = draft_config(target.definition.config, num_layers, len(head_ids),
                         target.definition.config.dtype)
-  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers))
+  definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers), input_norms)
   embedding = target.params['embedder']['embedding']
   return protocol.Model(definition, definition.init_params(jax.random.key(seed), embedding,
                                                            head_ids))

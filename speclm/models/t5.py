@@ -443,8 +443,9 @@ class T5(protocol.LanguageModel):
     return _init_jit(self, rng)
 
   def param_shapes(self) -> dict:
-    """The parameter tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    return jax.eval_shape(functools.partial(_init, self), jax.random.key(0))
+    """The parameter tree as `jax.ShapeDtypeStruct`s, without allocating anything (traced once
+    per config: through `_init_jit`, whose traces jit keeps)."""
+    return jax.eval_shape(functools.partial(_init_jit, self), jax.random.key(0))
 
   def init_cache(self, batch_size: int, max_length: int, input_length: int = 0) -> T5Cache:
     """An empty cache of `max_length` decoder positions; `prefill` sizes the encoder side."""

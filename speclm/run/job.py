@@ -346,7 +346,7 @@ def _calibrate_gamma(settings: settings_lib.JobSettings, pair: _Pair, inputs: _I
         ' per machine) …', file=stream, flush=True)
   rule = costs_lib.measure_adaptive_gamma(
       pair.target, pair.draft, max_gamma=max_gamma, batch_size=batch_size,
-      context_length=_cost_context(inputs.encoded, settings.max_new_tokens),
+      context_length=_cost_context(inputs.encoded, settings.max_new_tokens, settings.buckets),
       draft_stopping=settings.draft_stopping, prior_alpha=settings.prior_alpha)
   if adaptive.never_drafts(rule):
     print(f'Adaptive γ: at the prior α {rule.prior_alpha:g} drafting does not pay at batch'
@@ -485,8 +485,9 @@ def _report(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, pair
 
 def _cost_entry(settings: settings_lib.JobSettings, pair: _Pair, inputs: _Inputs,
                 choice: _Decoding) -> dict[str, Any] | None:
-  """metrics.json's cost_measurement: the adaptive rule's costs, or c and r timed now for
-  Theorem 3.8's prediction (a tree's verification costs about a chain's of as many rows)."""
+  """metrics.json's cost_measurement: the adaptive rule's costs, or c and r timed for Theorem
+  3.8's prediction (a tree's verification costs about a chain's of as many rows), cached per
+  machine (`costs.measure_costs_cached`)."""
   rule = choice.rule
   if rule is not None:
     return {'c': rule.draft_cost, 'r': None, 'r_by_gamma': list(rule.verify_costs),
@@ -495,11 +496,11 @@ def _cost_entry(settings: settings_lib.JobSettings, pair: _Pair, inputs: _Inputs
             'batch_size': settings.batch_size}
   if not (settings.measure_cost and pair.draft is not None and choice.speculate):
     return None
-  estimate = costs_lib.measure_costs(
+  estimate = costs_lib.measure_costs_cached(
       pair.target, pair.draft,
       gamma=settings.gamma if choice.tree is None else choice.tree.num_nodes,
       batch_size=settings.batch_size,
-      context_length=_cost_context(inputs.encoded, settings.max_new_tokens),
+      context_length=_cost_context(inputs.encoded, settings.max_new_tokens, settings.buckets),
       num_steps=4, repeats=3)
   return estimate.to_dict()
 
@@ -561,12 +562,16 @@ def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir
   return choice.tree, entry
 
 
-def _cost_context(encoded, max_new_tokens: int) -> int:
-  """The context c and r are timed at: the mean input length plus half the new tokens, the
-  average position a decode step works at (timing at the smallest length bucket instead
-  measured r at 16 positions, where the per-token work outside the products weighs more)."""
+def _cost_context(encoded, max_new_tokens: int, buckets: Sequence[int]) -> int:
+  """The context c and r are timed at: the length bucket of the mean input (the padded width
+  the decode loops attend over) plus half the new tokens, the average position a decode step
+  works at. Jobs over inputs of one bucket time the same compiled calls and share the cost
+  cache. (Timing at the smallest bucket instead measured r at 16 positions, where the
+  per-token work outside the products weighs more.)"""
   lengths = [e.length for e in encoded if not e.skipped]
-  return max(1, int(np.mean(lengths)) if lengths else 1) + max_new_tokens // 2
+  mean = max(1, int(np.mean(lengths)) if lengths else 1)
+  bucket = next((b for b in buckets if b >= mean), mean)
+  return bucket + max_new_tokens // 2
 
 
 def _input_limit(max_input_length: int, max_new_tokens: int, *models) -> int:

@@ -26,6 +26,7 @@ from speclm.run.calibration.costs import ROUND_COST_TOKENS
 from speclm.run.calibration.costs import cost_cache_dir
 from speclm.run.calibration.costs import measure_adaptive_gamma
 from speclm.run.calibration.costs import measure_costs
+from speclm.run.calibration.costs import measure_costs_cached
 from speclm.run.calibration.costs import measure_round_costs
 from speclm.run.calibration.costs import measure_verify_costs
 from speclm.run.calibration.costs import time_extend
@@ -42,7 +43,7 @@ from speclm.run.calibration.tree_policy import default_candidates
 __all__ = [
     'PolicyChoice', 'ROUND_COST_REPEATS', 'ROUND_COST_TOKENS', 'TreePolicy', 'choose',
     'cost_cache_dir', 'costs', 'default_candidates', 'estimate_alpha', 'generate_reference',
-    'measure_adaptive_gamma', 'measure_costs', 'measure_round_costs', 'measure_speedup',
-    'measure_verify_costs', 'measurements', 'run_report', 'time_extend',
+    'measure_adaptive_gamma', 'measure_costs', 'measure_costs_cached', 'measure_round_costs',
+    'measure_speedup', 'measure_verify_costs', 'measurements', 'run_report', 'time_extend',
     'time_tree_verifications', 'tree_policy',
 ]

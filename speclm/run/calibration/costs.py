@@ -5,6 +5,7 @@ target call and a verification take on this machine (Definition 3.7's c, and r, 
 verification's cost over one target step), and an adaptive-γ rule priced with them.
 
   measure_costs          c and r for one γ: three compiled `extend` calls, interleaved
+  measure_costs_cached   the same, cached per machine (a job's Theorem 3.8 prediction)
   measure_verify_costs   c and r(0) … r(γ_max) from isolated `extend` calls
   measure_round_costs    c and r(0) … r(γ_max) timed on whole rounds of the adaptive loop
   measure_adaptive_gamma an `adaptive.AdaptiveGamma` priced by `measure_round_costs`, cached
@@ -435,7 +436,7 @@ def _timed_code_digest() -> str:
 
 
 def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_skip=3,
-                    **timing) -> str:
+                    method='whole rounds', **timing) -> str:
   """What the timings depend on: this machine, the software (speclm's timed code included:
   `_TIMED_CODE`), the models' definitions and parameter shapes, the batch size, γ_max and the
   context (and `timing`, the timing's own settings where they are not the defaults)."""
@@ -449,7 +450,7 @@ def _cost_cache_key(target, draft, max_gamma, batch_size, context_length, max_sk
       'draft': [repr(draft.definition), shapes(draft)],
       'batch_size': batch_size, 'max_gamma': max_gamma, 'context_length': context_length,
       'max_skip': max_skip,
-      'method': 'whole rounds',  # files from isolated call timings are not reused
+      'method': method,  # 'whole rounds' (adaptive γ) or 'isolated calls' (measure_costs)
       **({'timing': timing} if timing else {}),
   }, sort_keys=True)
   return hashlib.sha256(description.encode()).hexdigest()[:24]
@@ -463,6 +464,48 @@ def cost_cache_dir() -> str:
   """
   return os.environ.get('SPECLM_COST_CACHE') or os.path.join(
       os.path.expanduser('~'), '.cache', 'speclm', 'costs')
+
+
+def _read_cache(path: str) -> dict | None:
+  """A cost cache file's JSON, or None where it is missing or does not parse."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _write_cache(path: str, entry: dict) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  temporary = f'{path}.{os.getpid()}.tmp'
+  with open(temporary, 'w') as f:
+    json.dump(entry, f, indent=1)
+  os.replace(temporary, path)
+
+
+def measure_costs_cached(target: protocol.Model, draft: protocol.Model, *, gamma: int,
+                         batch_size: int = 1, context_length: int = 64, num_steps: int = 20,
+                         repeats: int = 5, use_cache: bool = True) -> CostEstimate:
+  """`measure_costs`, its result cached per machine as `measure_adaptive_gamma`'s is (same
+  directory and key, with method 'isolated calls', γ and the timing settings): jobs of one
+  model pair at several temperatures, or a rerun, time c and r once. A cache file that does
+  not parse is measured again and rewritten; `use_cache=False` always measures."""
+  path = os.path.join(cost_cache_dir(), _cost_cache_key(
+      target, draft, gamma, batch_size, context_length, method='isolated calls',
+      num_steps=num_steps, repeats=repeats) + '.json')
+  saved = _read_cache(path) if use_cache else None
+  if saved is not None:
+    try:
+      return CostEstimate(**{k: saved[k] for k in (
+          'draft_step_seconds', 'target_step_seconds', 'target_verify_seconds', 'gamma',
+          'batch_size', 'context_length')})
+    except (KeyError, TypeError):
+      pass
+  estimate = measure_costs(target, draft, gamma=gamma, batch_size=batch_size,
+                           context_length=context_length, num_steps=num_steps, repeats=repeats)
+  if use_cache:
+    _write_cache(path, estimate.to_dict())
+  return estimate
 
 
 def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
@@ -499,26 +542,21 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
                                                         context_length, max_skip, **timing)
                       + '.json')
   costs = None
-  if use_cache and os.path.exists(path):
+  saved = _read_cache(path) if use_cache else None
+  if saved is not None:
     try:
-      with open(path) as f:
-        saved = json.load(f)
       costs = (float(saved['draft_cost']), tuple(float(r) for r in saved['verify_costs']))
       adaptive.AdaptiveGamma(max_gamma=max_gamma, draft_cost=costs[0], verify_costs=costs[1])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
       costs = None
   if costs is None:
     costs = measure_round_costs(target, draft, max_gamma=max_gamma, batch_size=batch_size,
                                 context_length=context_length, max_skip=max_skip,
                                 num_new_tokens=num_new_tokens, repeats=repeats)
     if use_cache:
-      os.makedirs(path.rsplit(os.sep, 1)[0], exist_ok=True)
-      temporary = f'{path}.{os.getpid()}.tmp'
-      with open(temporary, 'w') as f:
-        json.dump({'draft_cost': costs[0], 'verify_costs': list(costs[1]),
-                   'batch_size': batch_size, 'max_gamma': max_gamma,
-                   'context_length': context_length}, f, indent=1)
-      os.replace(temporary, path)
+      _write_cache(path, {'draft_cost': costs[0], 'verify_costs': list(costs[1]),
+                          'batch_size': batch_size, 'max_gamma': max_gamma,
+                          'context_length': context_length})
   return adaptive.AdaptiveGamma(max_gamma=int(max_gamma), draft_cost=costs[0],
                                 verify_costs=costs[1], **rule_kwargs)
 

@@ -1,0 +1,130 @@
+"""scripts/train_sharegpt_draft.py end to end on a tiny ShareGPT file made here: pieces with
+reply masks, the evaluation overlap dropped, PyTorch bfloat16 features equal to the float32
+model's within rounding, a few steps of EAGLE-3 with input norms, a training curve, a resume,
+and a draft file that loads and decodes exactly."""
+
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import speclm
+from speclm.presets import smollm2
+from speclm.presets import smollm2_draft
+from speclm.testing.scripts import run_script
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not smollm2.is_available(),
+                       reason=f'SmolLM2 is not installed: {smollm2.SETUP_COMMAND}'),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'scripts', 'train_sharegpt_draft.py')
+TINY = ['--window=128', '--heldout_percent=30', '--heldout_windows=2', '--shard_windows=4',
+        '--feature_budget_s=600', '--train_budget_s=1', '--noevaluate',
+        '--eagle_flags=--batch_size=2,--feature_batch=2,--width_bucket=128,--ttt_steps=2,'
+        '--input_norms,--save_every_s=0']
+QUESTION = 'Describe the water cycle in three short sentences for a curious child please.'
+
+
+def _sharegpt_file(path):
+  """Sixteen conversations of two exchanges (cut off after the last, as the package's file
+  is), one of which asks an evaluation question."""
+  topics = ['rivers', 'volcanoes', 'bread', 'bicycles', 'libraries', 'comets', 'bees',
+            'glass', 'maps', 'tides', 'clocks', 'paper', 'salt', 'owls', 'kites', 'bridges']
+  elements = []
+  for number, topic in enumerate(topics):
+    question = QUESTION if number == 3 else f'Tell me about {topic}.'
+    reply = ' '.join(f'Fact {k} about {topic}: they are interesting in many ways.'
+                     for k in range(8))
+    elements.append({'id': f'tiny{number}', 'conversations': [
+        {'from': 'human', 'value': question}, {'from': 'gpt', 'value': reply},
+        {'from': 'human', 'value': 'And more?'}, {'from': 'gpt', 'value': reply[::-1][:200]}]})
+  text = json.dumps(elements, indent=2)
+  path.write_text(text[:len(text) - 30], encoding='utf-8')  # the last one is cut off
+  return str(path)
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('sharegpt')
+  questions = tmp / 'question.jsonl'
+  questions.write_text(json.dumps({'question_id': 1, 'category': 'writing',
+                                   'turns': [QUESTION]}) + '\n', encoding='utf-8')
+  work = tmp / 'work'
+  log = run_script(SCRIPT, *TINY, f'--work_dir={work}',
+                   f'--sharegpt_file={_sharegpt_file(tmp / "sharegpt.json")}',
+                   f'--spec_bench_file={questions}')
+  return str(work), log
+
+
+def test_data_stage_writes_masked_pieces_without_the_evaluation_question(run):
+  work, log = run
+  assert '15 conversations kept; dropped: 1 cut off' in log
+  assert '1 conversations dropped for overlapping evaluation text' in log
+  shards = sorted(glob.glob(os.path.join(work, 'gen_sharegpt_*.npz')))
+  assert shards[-1].endswith('gen_sharegpt_zheldout.npz') and len(shards) >= 3
+  tokenizer = smollm2.load_tokenizer()
+  with np.load(shards[0]) as data:
+    tokens, lengths, mask = data['tokens'], data['lengths'], data['loss_mask']
+  assert tokens.shape[1] <= 128 and mask.shape == tokens.shape
+  row = tokens[0, :lengths[0]]
+  assert mask[0, :lengths[0]].any() and not mask[0, lengths[0]:].any()
+  text = tokenizer.decode(row[mask[0, :lengths[0]]])
+  # the replies' words (forwards or, in the second reply, backwards), not the questions'
+  assert 'interesting' in text or 'gnitseretni' in text
+  assert 'Tell me about' not in text and 'And more?' not in text
+
+
+def test_torch_features_are_the_float32_models_within_bfloat16(run):
+  work, log = run
+  assert 'features and soft labels of gen_sharegpt_zheldout.npz' in log
+  target = smollm2.load_model()
+  shard = os.path.join(work, 'gen_sharegpt_zheldout.npz')
+  with np.load(shard) as gen, np.load(shard.replace('gen_', 'feat-l2-15-27_')) as feat, \
+      np.load(shard.replace('gen_', 'label_')) as labels:
+    n = int(gen['lengths'][0])
+    row, stored = gen['tokens'][:1, :n], feat['features'][0, :n]
+    top_ids = labels['ids'][0, :n, 0]
+  source = target.definition.with_feature_layers((2, 15, 27))
+  _, expected, _ = source.prefill_with_features(target.params, jnp.asarray(row),
+                                                jnp.array([n], jnp.int32),
+                                                source.init_cache(1, n))
+  got = stored.view(jnp.bfloat16).astype(np.float32)
+  expected = np.asarray(expected)[0]
+  # bfloat16 arithmetic through 27 layers: within a few percent of each row's scale
+  error = np.linalg.norm(got - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
+  assert np.median(error) < 0.02 and error.max() < 0.1
+  logits = target.definition.forward(target.params, jnp.asarray(row))[0]
+  assert np.mean(np.asarray(jnp.argmax(logits, -1)) == top_ids) > 0.9
+
+
+def test_training_writes_a_curve_resumes_and_the_draft_decodes_exactly(run, tmp_path):
+  work, log = run
+  assert 'training on' in log
+  curve = [json.loads(line) for line in open(
+      os.path.join(work, 'training_curve-l2-15-27.jsonl'), encoding='utf-8')]
+  assert curve and curve[-1]['positions'] > 0 and len(curve[-1]['greedy_agreement']) == 2
+  assert all(0 <= v <= 1 for v in curve[-1]['overlap_top_k'])
+  steps = curve[-1]['step']
+  # A later run with a larger budget goes on from the saved state.
+  again = run_script(SCRIPT, *TINY, f'--work_dir={work}', '--stage=train',
+                     f'--train_budget_s={curve[-1]["seconds"] + 1}')
+  assert f'resuming from {os.path.join(work, "train_state-l2-15-27.msgpack")} at step {steps}' \
+      in again
+  path = os.path.join(work, 'draft', smollm2_draft.EAGLE_FILE)
+  trained, _, metadata = smollm2_draft.read(path)
+  assert {'embedding_norm', 'feature_norm', 'reduce', 'fuse'} <= set(trained)
+  assert metadata['input_norms'] and metadata['steps'] > steps
+  target = smollm2.load_model()
+  draft = smollm2_draft.load_eagle(target, path)
+  assert draft.definition.input_norms
+  tokenizer = smollm2.load_tokenizer()
+  tokens, lengths = tokenizer.batch([tokenizer.encode_chat('Name three rivers.')])
+  base = speclm.autoregressive_decode(target, tokens, lengths, max_new_tokens=8)
+  spec = speclm.speculative_decode(target, draft, tokens, lengths, gamma=2, max_new_tokens=8)
+  np.testing.assert_array_equal(spec.tokens, base.tokens)
