@@ -536,6 +536,8 @@ def train(target, head_ids, layers):
         break
   save(curve=True)
   point = last_point if last_point or not heldout else heldout_metrics(state['trained'])
+  logging.info('held-out teacher-forced accuracy on replies %.3f after %d steps',
+               point.get('text_accuracy', [0.0])[0], int(state['step']))
   return state['trained'], dict(
       steps=int(state['step']), batch_size=_BATCH.value,
       epochs=round(int(state['step']) * _BATCH.value / max(len(seqs), 1), 2),
