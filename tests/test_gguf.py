@@ -250,6 +250,31 @@ def test_quantized_llama_stays_close(tmp_path):
   assert np.max(np.abs(ours - theirs)) < 0.02 * np.max(np.abs(ours)) + 0.1
 
 
+@pytest.mark.parametrize('quant', ['Q8_0', 'Q4_1'])
+def test_quantized_target_and_draft_decode_greedily_as_the_baseline(tmp_path, quant):
+  """Target and draft both loaded with `quantized=True` (their matrices multiplied as stored):
+  greedy speculative output equals the target's baseline token for token."""
+  import speclm  # pylint: disable=g-import-not-at-top
+  from speclm.kernels import quantized  # pylint: disable=g-import-not-at-top
+  if not quantized.available():
+    pytest.skip('CPU kernel unavailable')
+  target = llama.random_model(vocab_size=64, embed_dim=64, num_layers=2, mlp_dim=128, seed=7)
+  draft = llama.random_model(vocab_size=64, embed_dim=64, num_layers=1, mlp_dim=64, seed=8)
+  _export(target, tmp_path / 't.gguf', quant=quant)
+  _export(draft, tmp_path / 'd.gguf', quant=quant)
+  target = gguf_reader.load_model(tmp_path / 't.gguf', quantized=True)
+  draft = gguf_reader.load_model(tmp_path / 'd.gguf', quantized=True)
+  assert set(target.params['layers_1']['mlp']['gate']) == {quant}
+  assert set(draft.params['layers_0']['attention']['query']) == {quant}
+  prompts = jnp.asarray(np.random.default_rng(3).integers(1, 64, (3, 6)), jnp.int32)
+  lengths = jnp.asarray([6, 3, 5], jnp.int32)
+  baseline = speclm.autoregressive_decode(target, prompts, lengths, max_new_tokens=12)
+  for gamma in (1, 4):
+    result = speclm.speculative_decode(target, draft, prompts, lengths, gamma=gamma,
+                                       max_new_tokens=12)
+    assert result.to_lists() == baseline.to_lists(), gamma
+
+
 def test_context_length_absent_is_none(tmp_path):
   model = llama.random_model(vocab_size=50, embed_dim=32, num_layers=1, seed=1)
   assert model.definition.max_context_length is None

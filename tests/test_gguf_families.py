@@ -196,6 +196,37 @@ def test_logits_equal_hugging_face_on_the_dequantized_weights(tmp_path, family):
   np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize('family', sorted(FAMILIES))
+def test_matrices_kept_quantized_give_the_same_logits(tmp_path, family, caplog):
+  """`load_model(quantized=True)`: the Q8_0 and Q4_K/Q5_K/Q6_K matrices stay as stored (no
+  float copy) and the logits equal Hugging Face's on the decoded weights; the K-quants the
+  kernel lacks (Mistral's Q2_K, Gemma 2's Q3_K) are widened to float32, said in one line."""
+  from speclm.kernels import quantized  # pylint: disable=g-import-not-at-top
+  if not quantized.available():
+    pytest.skip('CPU kernel unavailable')
+  hf_model = _export(tmp_path / 'm.gguf', family)
+  kquant = FAMILIES[family][4]
+  with caplog.at_level('WARNING'):
+    model = gguf_reader.load_model(tmp_path / 'm.gguf', quantized=True)
+  layer = model.params['layers_0']
+  assert set(layer['attention']['query']) - {'bias'} == {'Q8_0'}  # no float kernel beside
+  assert set(layer['attention']['value']) - {'bias'} == {'kernel'}  # F32 in the file
+  assert set(layer['mlp']['up']) == {'kernel'}  # F16 in the file
+  widened = [r.getMessage() for r in caplog.records if 'no quantized kernel' in r.getMessage()]
+  if kquant in quantized.FORMATS:
+    assert set(layer['mlp']['down']) == {kquant} and set(model.params['embedder']) == {kquant}
+    assert not widened
+  else:
+    assert set(layer['mlp']['down']) == {'kernel'}
+    assert len(widened) == 1 and f' {kquant} matrices have no quantized kernel' in widened[0]
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 12))
+  ours = np.asarray(jax.jit(model.definition.forward)(model.params, jnp.asarray(tokens,
+                                                                                jnp.int32)))
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+
+
 def test_family_switches_from_metadata(tmp_path):
   """What each architecture's metadata turns into (the configs of the files above)."""
   configs = {}

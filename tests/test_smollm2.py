@@ -154,6 +154,31 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
       assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
     # Longer inputs (prefill) take XLA's product of the same weights: the plain model's logits.
     np.testing.assert_array_equal(forward_packed(packed.params, x), forward(model.params, x))
+  # The matrices kept as the file stores them (Q4_1, the Q8_0 table): the same bound where
+  # the block kernel multiplies (up to quantized.MAX_KERNEL_ROWS rows); above, the widened
+  # matrices go through XLA's GEMM, with the plain model's bound.
+  stored = smollm2.load_model(quantized=True)
+  forward_stored = jax.jit(stored.definition.forward)
+  for x, reference in zip(inputs, theirs):
+    for row in range(x.shape[0]):
+      difference = np.abs(np.asarray(forward_stored(stored.params, x[row:row + 1]))
+                          - reference[row:row + 1])
+      assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
+    difference = np.abs(np.asarray(forward_stored(stored.params, x)) - reference)
+    assert difference.max() < 2e-4 and difference.mean() < 3e-5, difference.max()
+
+
+def test_quantized_target_greedy_speculative_equals_its_baseline(batch):
+  """SmolLM2 with its Q4_1 matrices and Q8_0 table multiplied as stored: verification rows
+  get the numbers of single-row steps, so greedy speculative output equals the baseline."""
+  stored = smollm2.load_model(quantized=True)
+  assert set(stored.params['layers_0']['mlp']['down']) == {'Q4_1'}
+  baseline = speclm.autoregressive_decode(stored, *batch, max_new_tokens=MAX_NEW)
+  result = speclm.speculative_decode(stored, lookup.prompt_lookup(stored.vocab_size), *batch,
+                                     gamma=GAMMA, max_new_tokens=MAX_NEW)
+  assert result.to_lists() == baseline.to_lists()
+  calls = lambda r: int(np.sum(r.stats.target_calls_per_row))
+  assert calls(result) < calls(baseline)  # lookup drafted and tokens were accepted
 
 
 def test_baseline_gives_text(smol, baseline):

@@ -55,6 +55,7 @@ from collections import abc
 from typing import Any, Mapping
 
 import numpy as np
+from absl import logging
 
 from speclm import protocol
 from speclm import tokenizer
@@ -431,8 +432,74 @@ class _Decoded(abc.Mapping):
     return len(self._names)
 
 
-def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig) -> dict:
-  """All tensors of a GGUF file as our parameter tree (numpy arrays, `param_dtype`)."""
+def _stored_rows(file: GGUFFile, config: llama.LlamaConfig, name: str) -> np.ndarray:
+  """A quantized matrix's rows as the file stores them (`uint8 [out, row_bytes]`), with the
+  'llama' architecture's Q/K rows put back in Hugging Face's order."""
+  tensor = file.tensors[name]
+  # Read from the file rather than through the reader's memory map: pages of the map that
+  # were touched would stay resident beside the copy (a 7B file counted twice).
+  out_rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+  rows = np.empty((out_rows, int(tensor.n_bytes) // out_rows), np.uint8)
+  with open(file.path, 'rb') as f:
+    f.seek(int(tensor.data_offset))
+    if f.readinto(memoryview(rows).cast('B')) != rows.nbytes:
+      raise ValueError(f'{file.path!r} ends inside the tensor {name!r}.')
+  if file.architecture == 'llama':
+    if name.endswith('attn_q.weight'):
+      rows = unpermute_rows(rows, config.num_heads)
+    elif name.endswith('attn_k.weight'):
+      rows = unpermute_rows(rows, config.num_kv_heads)
+  return np.ascontiguousarray(rows)
+
+
+def _quantized_matrices(file: GGUFFile, config: llama.LlamaConfig,
+                        expected: Mapping[str, tuple[str, tuple[int, ...]]]
+                        ) -> dict[str, tuple[str, np.ndarray]]:
+  """Our names of the matrices kept as stored -> (format, rows): every kernel and the
+  embedding table whose GGUF type `speclm.kernels.quantized` multiplies. Quantized matrices of
+  other types are dequantized to float32, said in one warning line."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  gguf = _gguf()
+  ours = {hf: path for path, (hf, _, _) in hf_llama.weight_names(config).items()}
+  kept, widened = {}, {}
+  for hf, (name, shape) in expected.items():
+    path = ours[hf]
+    if len(shape) != 2 or not path.endswith(('/kernel', 'embedder/embedding')):
+      continue
+    kind = gguf.GGMLQuantizationType(file.tensors[name].tensor_type).name
+    if kind in quantized.FORMATS:
+      kept[path] = (kind, _stored_rows(file, config, name))
+    elif kind not in ('F32', 'F16', 'BF16'):
+      widened[kind] = widened.get(kind, 0) + 1
+  if widened:
+    kinds = ', '.join(f'{n} {kind}' for kind, n in sorted(widened.items()))
+    logging.warning('%s: %s matrices have no quantized kernel (speclm multiplies %s); they are'
+                    ' held as float32.', file.path, kinds, ', '.join(quantized.FORMATS))
+  return kept
+
+
+def stored_sizes(path: str | os.PathLike, config: llama.LlamaConfig) -> dict[str, int]:
+  """Our parameter names of the matrices `load_model(quantized=True)` keeps as stored -> their
+  bytes (for `speclm.checkpoints.memory.estimate_bytes`), from the tensor records alone."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  gguf = _gguf()
+  file = open_gguf(path)
+  sizes = {}
+  for path_ours, (hf, _, shape) in hf_llama.weight_names(config).items():
+    name = gguf_name(hf, config.family)
+    if (len(shape) != 2 or name not in file.tensors
+        or not path_ours.endswith(('/kernel', 'embedder/embedding'))):
+      continue
+    tensor = file.tensors[name]
+    if gguf.GGMLQuantizationType(tensor.tensor_type).name in quantized.FORMATS:
+      sizes[path_ours] = int(tensor.n_bytes)
+  return sizes
+
+
+def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig, quantized: bool = False) -> dict:
+  """All tensors of a GGUF file as our parameter tree (numpy arrays, `param_dtype`); with
+  `quantized`, matrices of the types `speclm.kernels.quantized` multiplies stay as stored
+  (`hf_llama.params_from_hf`'s `stored`)."""
   expected = {hf: (gguf_name(hf, config.family), shape)
               for hf, _, shape in hf_llama.weight_names(config).values()}
   for name, shape in expected.values():
@@ -447,11 +514,14 @@ def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig) -> dict:
   if extra:
     raise ValueError(f'{file.path!r} has tensors a {config.family} model does not use:'
                      f' {extra[:5]}{" …" if len(extra) > 5 else ""}.')
-  names = {hf: name for hf, (name, _) in expected.items()}
-  return hf_llama.params_from_hf(_Decoded(file, config, names), config)
+  stored = _quantized_matrices(file, config, expected) if quantized else {}
+  kept = {hf for hf, _, _ in (hf_llama.weight_names(config)[path] for path in stored)}
+  names = {hf: name for hf, (name, _) in expected.items() if hf not in kept}
+  return hf_llama.params_from_hf(_Decoded(file, config, names), config, stored=stored)
 
 
-def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') -> protocol.Model:
+def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32',
+               quantized: bool = False) -> protocol.Model:
   """Reads a GGUF file of any supported architecture into a `speclm.protocol.Model` (a
   `llama.Llama` with the family's switches).
 
@@ -460,16 +530,20 @@ def load_model(source: str | os.PathLike | GGUFFile, *, dtype: str = 'float32') 
       array, seconds for a large vocabulary; share one with `load_tokenizer`).
     dtype: parameter and activation dtype ('float32' or 'bfloat16'); quantized tensors are
       dequantized to float32 first.
+    quantized: keep every matrix of type Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K as the file
+      stores it, multiplied by `speclm.kernels.quantized` (no float copy: a Q4_K 7B model holds
+      about 4.5 GB instead of 28 GB); other types are dequantized (one warning line). Needs
+      the CPU kernel, float32 activations and one device.
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   file = source if isinstance(source, GGUFFile) else open_gguf(source)
   with _naming(file.path):
     config = config_from_gguf(file, dtype=dtype)
-    params = params_from_gguf(file, config)
+    params = params_from_gguf(file, config, quantized=quantized)
   check_finite(params, file.path, error=errors.CheckpointError)
   definition = llama.Llama(config)
-  params = {k: _to_jax(v, jnp) for k, v in params.items()}
+  params = _to_jax(params, jnp)
   definition.validate_params(params)
   return protocol.Model(definition, params)
 
@@ -528,7 +602,12 @@ def load_tokenizer(source: str | os.PathLike | GGUFFile) -> tokenizer.Tokenizer:
       end_ids=[i for i in (special('eot'), special('eom')) if i is not None])
 
 
-def _to_jax(tree, jnp):
-  if isinstance(tree, dict):
-    return {k: _to_jax(v, jnp) for k, v in tree.items()}
-  return jnp.asarray(tree)
+def _to_jax(tree: dict, jnp) -> dict:
+  """The tree's arrays as JAX arrays, each numpy array let go as soon as it is copied (the
+  tree is emptied), so the peak is the weights once plus one tensor."""
+  out = {}
+  for key in list(tree):
+    value = tree.pop(key)
+    out[key] = _to_jax(value, jnp) if isinstance(value, dict) else jnp.asarray(value)
+    del value
+  return out

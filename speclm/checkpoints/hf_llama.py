@@ -330,8 +330,15 @@ _IGNORED_PREFIXES = ('model.vision_tower.', 'vision_tower.', 'model.multi_modal_
                      'multi_modal_projector.')
 
 
-def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig) -> dict:
-  """HF weights (names as `{Family}ForCausalLM.state_dict()`) -> our parameter tree."""
+def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig,
+                   stored: Mapping[str, tuple[str, Any]] | None = None) -> dict:
+  """HF weights (names as `{Family}ForCausalLM.state_dict()`) -> our parameter tree.
+
+  `stored`: our parameter names ('layers_0/mlp/up/kernel') whose weights stay as a checkpoint
+  stores them, each `(format, rows)` (`speclm.kernels.quantized`): the rows go in the
+  module's dict under the format's name ('layers_0/mlp/up/Q4_K') in place of the float
+  parameter, and `weights` need not hold them."""
+  stored = stored or {}
   if config.param_dtype == 'bfloat16':
     import ml_dtypes  # pylint: disable=import-outside-toplevel
     target = np.dtype(ml_dtypes.bfloat16)
@@ -343,6 +350,10 @@ def params_from_hf(weights: Mapping[str, np.ndarray], config: llama.LlamaConfig)
     names['lm_head/kernel'] = (alternative,) + names['lm_head/kernel'][1:]
   flat = {}
   for ours, (theirs, layout, shape) in names.items():
+    if ours in stored:
+      fmt, rows = stored[ours]
+      flat[ours.rsplit('/', 1)[0] + '/' + fmt] = rows
+      continue
     if theirs not in weights:
       raise errors.CheckpointError(f'The checkpoint lacks the tensor {theirs!r}.', key=theirs)
     x = np.asarray(weights[theirs])

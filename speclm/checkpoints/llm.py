@@ -39,13 +39,16 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
                           ' .gguf file).')
 
 
-def load_llm(path: str | os.PathLike, *, dtype: str = 'float32') -> protocol.Model:
-  """The decoder-only model at `path` (Hugging Face directory or GGUF file)."""
+def load_llm(path: str | os.PathLike, *, dtype: str = 'float32',
+             quantized: bool = False) -> protocol.Model:
+  """The decoder-only model at `path` (Hugging Face directory or GGUF file). `quantized`: a
+  GGUF file's quantized matrices stay as stored (`gguf.load_model`); no effect on a Hugging
+  Face directory."""
   if checkpoint_kind(path) == 'hf':
     from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
     return hf_llama.load_model(path, dtype=dtype)
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  return gguf.load_model(path, dtype=dtype)
+  return gguf.load_model(path, dtype=dtype, quantized=quantized)
 
 
 def read_llm_config(path: str | os.PathLike):

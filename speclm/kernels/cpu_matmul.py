@@ -66,7 +66,27 @@ PANEL = 64
 TARGET_NAME = 'speclm_skinny_matmul'
 _TARGETS = {'float32': (TARGET_NAME, 'SkinnyMatmul'),
             'bfloat16': (TARGET_NAME + '_bf16', 'SkinnyMatmulBf16')}
-_SOURCE = os.path.join(os.path.dirname(__file__), 'skinny_matmul.cc')
+# Both kernels are built into one library: the packed float kernel and the GGUF-block kernel
+# (`speclm.kernels.quantized`).
+# The GGUF block formats `quantized_matmul.cc` multiplies (`speclm.kernels.quantized`):
+# format -> (weights a block, bytes a block), as ggml lays them out.
+QUANTIZED_FORMATS = {'Q8_0': (32, 34), 'Q4_0': (32, 18), 'Q4_1': (32, 20),
+                     'Q4_K': (256, 144), 'Q5_K': (256, 176), 'Q6_K': (256, 210)}
+
+
+def quantized_target(kind: str, fmt: str) -> str:
+  """The registered name of `quantized_matmul.cc`'s 'matmul' or 'dequantize' for `fmt`."""
+  return f'{TARGET_NAME}_quantized_{kind}_{fmt.lower()}'
+
+
+def _quantized_symbols():
+  for fmt in QUANTIZED_FORMATS:
+    yield quantized_target('matmul', fmt), 'QuantizedMatmul_' + fmt
+    yield quantized_target('dequantize', fmt), 'QuantizedDequantize_' + fmt
+
+
+_SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
+                 for name in ('skinny_matmul.cc', 'quantized_matmul.cc'))
 
 
 def _cache_dir() -> str:
@@ -80,9 +100,12 @@ def _compiler() -> str | None:
 
 def library_path() -> str:
   """Where the compiled kernel for this source, JAX version and machine lives (or will)."""
-  with open(_SOURCE, 'rb') as f:
-    key = hashlib.sha256(f.read() + jax.__version__.encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:16]
+  digest = hashlib.sha256()
+  for source in _SOURCES:
+    with open(source, 'rb') as f:
+      digest.update(f.read())
+  digest.update(jax.__version__.encode() + platform.machine().encode() + platform.node().encode())
+  key = digest.hexdigest()[:16]
   return os.path.join(_cache_dir(), f'skinny_matmul_{key}.so')
 
 
@@ -189,12 +212,13 @@ def _compile(path: str) -> None:
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     out = os.path.join(tmp, 'kernel.so')
     command = [compiler, '-O3', '-march=native', '-fopenmp-simd', '-std=c++17', '-shared', '-fPIC',
-               f'-I{jax.ffi.include_dir()}', _SOURCE, '-o', out]
+               f'-I{jax.ffi.include_dir()}', *_SOURCES, '-o', out]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not os.path.isfile(out):
       lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
       detail = ' | '.join(lines[-6:])[-1000:] or 'no output'
-      raise RuntimeError(f'compiling {os.path.basename(_SOURCE)} with {compiler} failed (exit'
+      raise RuntimeError(f'compiling {" and ".join(map(os.path.basename, _SOURCES))} with'
+                         f' {compiler} failed (exit'
                          f' {result.returncode}): {detail}')
     os.chmod(out, 0o755)  # whatever the umask: only we may write it
     hash_tmp = os.path.join(tmp, 'kernel.so.sha256')
@@ -245,7 +269,8 @@ def available() -> bool:
   try:
     path = build()
     library = ctypes.CDLL(path)
-    functions = [(name, getattr(library, symbol)) for name, symbol in _TARGETS.values()]
+    targets = list(_TARGETS.values()) + list(_quantized_symbols())
+    functions = [(name, getattr(library, symbol)) for name, symbol in targets]
     for name, function in functions:
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform='cpu')
   except Exception as e:  # pylint: disable=broad-except

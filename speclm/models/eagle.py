@@ -220,7 +220,7 @@ def make(target: protocol.Model, trained: dict, head_ids, num_layers: int,
   definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers),
                          input_norms='feature_norm' in trained)
   trained = jax.tree_util.tree_map(lambda x: jnp.asarray(x, config.param_dtype), trained)
-  params = definition.with_target_embedding(trained, target.params['embedder']['embedding'],
+  params = definition.with_target_embedding(trained, llama.embedding_table(target),
                                             head_ids)
   expected = jax.eval_shape(lambda: definition.trained(definition.init_params(
       jax.random.key(0), params['embedding'], params['head_ids'])))
@@ -241,7 +241,7 @@ def random_draft(target: protocol.Model, num_layers: int = 1, head_size: int | N
   config = draft_config(target.definition.config, num_layers, len(head_ids),
                         target.definition.config.dtype)
   definition = EagleDraft(config, target.vocab_size, _layer_tuple(feature_layers), input_norms)
-  embedding = target.params['embedder']['embedding']
+  embedding = llama.embedding_table(target)
   return protocol.Model(definition, definition.init_params(jax.random.key(seed), embedding,
                                                            head_ids))
 

@@ -145,6 +145,9 @@ class Kernel(nn.Module):
 
   def _product(self, x):
     init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
+    stored = _stored_format(self)
+    if stored is not None:
+      return self._quantized_product(x, stored)
     if self.has_variable('params', 'packed') and _kernel_serves(x, self.merge_input_dims):
       return self._packed_product(x)
     kernel = self.param('kernel', init, self.shape, self.param_dtype)
@@ -161,6 +164,59 @@ class Kernel(nn.Module):
     merge = self.merge_input_dims
     return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
                                      self.shape[merge:], self.dtype, input_dims=merge)
+
+
+  def _quantized_product(self, x, fmt: str):
+    """The product with the kernel kept in GGUF's blocks (`speclm.kernels.quantized`): the
+    stored rows are the kernel's output units, each over all its (merged) inputs."""
+    from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+    merge = self.merge_input_dims
+    lead = x.shape[:x.ndim - merge]
+    flat = x.reshape(-1, math.prod(x.shape[x.ndim - merge:])).astype(jnp.float32)
+    y = quantized.product(flat, self.get_variable('params', fmt), fmt)
+    return y.reshape(lead + self.shape[merge:]).astype(self.dtype)
+
+
+def _stored_format(module: nn.Module) -> str | None:
+  """The quantized format whose stored rows `module` holds instead of a float parameter."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  for fmt in quantized.FORMATS:
+    if module.has_variable('params', fmt):
+      return fmt
+  return None
+
+
+class Embedder(nn.Module):
+  """The token embedding table `[V, D]` (`embedder/embedding`, as `nn.Embed` names it), or
+  its rows kept quantized as the GGUF file stores them; `attend` is the tied output head."""
+
+  num_embeddings: int
+  features: int
+  param_dtype: Any
+
+  def setup(self):
+    self.stored = _stored_format(self)
+    if self.stored is None:
+      init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.features))
+      self.embedding = self.param('embedding', init, (self.num_embeddings, self.features),
+                                  self.param_dtype)
+
+  def __call__(self, tokens):
+    """tokens (any shape) -> their rows `[*tokens.shape, D]`."""
+    if self.stored is not None:
+      from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+      return quantized.take_rows(self.get_variable('params', self.stored), tokens, self.stored)
+    return jnp.take(self.embedding, tokens, axis=0)
+
+  def attend(self, hidden):
+    """hidden `[B, K, D]` -> float32 `[B, K, V]`: the product with the table transposed."""
+    if self.stored is not None:
+      from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+      flat = hidden.reshape(-1, hidden.shape[-1]).astype(jnp.float32)
+      logits = quantized.product(flat, self.get_variable('params', self.stored), self.stored)
+      return logits.reshape(hidden.shape[:-1] + (self.num_embeddings,))
+    return jnp.einsum('BKD,VD->BKV', hidden, self.embedding.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def _kernel_serves(x, input_dims: int) -> bool:
@@ -291,8 +347,7 @@ class LlamaModule(nn.Module):
     """The embedding table, the decoder layers, the final norm and (untied) the head."""
     c = self.config
     pd = jnp.dtype(c.param_dtype)
-    self.embedder = nn.Embed(c.vocab_size, c.embed_dim, param_dtype=pd,
-                             embedding_init=nn.initializers.normal(stddev=1.0 / math.sqrt(c.embed_dim)))
+    self.embedder = Embedder(c.vocab_size, c.embed_dim, pd)
     self.layers = [DecoderLayer(c, i) for i in range(c.num_layers)]  # layers_0, layers_1, …
     self.final_norm = layers.RMSNorm(c.norm_eps, pd, c.norm_offset)
     if not c.tie_embeddings:
@@ -340,9 +395,7 @@ class LlamaModule(nn.Module):
   def logits(self, hidden):
     """hidden `[B, K, D]` -> float32 logits `[B, K, V]`."""
     if self.config.tie_embeddings:
-      table = self.embedder.embedding
-      logits = jnp.einsum('BKD,VD->BKV', hidden, table.astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+      logits = self.embedder.attend(hidden)
     else:
       logits = self.lm_head(hidden)
     return softcap(logits.astype(jnp.float32), self.config.final_logit_softcap)
@@ -484,7 +537,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
   def validate_params(self, params) -> None:
     """Raises ValueError unless `params` has this config's names and shapes."""
     expected = jax.eval_shape(self.init_params, jax.random.key(0))
-    trees.check_tree_shapes(expected, params)
+    trees.check_tree_shapes(_as_stored(expected, params), params)
 
   def param_logical_axes(self) -> dict:
     """Logical axis names of every parameter (a tree like the params, tuples as leaves), for
@@ -518,6 +571,37 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return KVCache(keys=kv, values=kv, lengths=('batch',))
 
 
+def _as_stored(expected, params):
+  """`expected` (shapes of float parameters) with each float matrix that `params` keeps in a
+  quantized format replaced by the shape of its stored rows (`uint8 [N, row_bytes]`)."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  if not isinstance(expected, dict) or not isinstance(params, dict):
+    return expected
+  out = {k: _as_stored(v, params.get(k)) for k, v in expected.items()}
+  fmt = quantized.format_of(params)
+  if fmt is not None:
+    name = 'kernel' if 'kernel' in out else 'embedding'
+    if name in out:
+      shape = out.pop(name).shape
+      if name == 'embedding':
+        inputs, outputs = shape[1], shape[0]
+      else:
+        outputs = params[fmt].shape[0]
+        inputs = math.prod(shape) // max(outputs, 1)
+      out[fmt] = jax.ShapeDtypeStruct((outputs, quantized.row_bytes(fmt, inputs)), jnp.uint8)
+  return out
+
+
+def embedding_table(model: protocol.Model) -> jax.Array:
+  """The token embedding table `[V, D]` as float (widened when it is kept quantized)."""
+  embedder = model.params['embedder']
+  if 'embedding' in embedder:
+    return embedder['embedding']
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  fmt = quantized.format_of(embedder)
+  return quantized.dequantize(embedder[fmt], fmt)
+
+
 def untie_head(model: protocol.Model) -> protocol.Model:
   """The same model with its tied output head stored separately as `lm_head/kernel` `[D, V]`.
 
@@ -525,11 +609,12 @@ def untie_head(model: protocol.Model) -> protocol.Model:
   layout differs. XLA's CPU dot reads a `[D, V]` kernel about 1.5x faster than the `[V, D]`
   embedding table it would otherwise multiply transposed, and the head is the largest matrix
   of a small-vocabulary-heavy model such as SmolLM2-135M (28M of 135M parameters). Costs one
-  extra copy of the table in memory. Models that are already untied are returned as they are.
+  extra copy of the table in memory. Models that are already untied, or whose table is kept
+  quantized, are returned as they are.
   """
   config = model.definition.config
-  if not config.tie_embeddings:
-    return model
+  if not config.tie_embeddings or 'embedding' not in model.params['embedder']:
+    return model  # untied, or a quantized table (its product reads the rows as stored)
   table = model.params['embedder']['embedding']
   params = dict(model.params)
   params['lm_head'] = {'kernel': jnp.asarray(jnp.transpose(table))}

@@ -62,18 +62,26 @@ def _open() -> gguf.GGUFFile:
   return gguf.open_gguf(gguf_path())
 
 
-@functools.lru_cache(maxsize=4)
-def load_model(dtype: str = 'float32', cpu_kernels: bool = False) -> protocol.Model:
+def config(dtype: str = 'float32') -> llama.LlamaConfig:
+  """SmolLM2-135M's `LlamaConfig`, read from the file's metadata (no weight read)."""
+  return gguf.config_from_gguf(_open(), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def load_model(dtype: str = 'float32', cpu_kernels: bool = False,
+               quantized: bool = False) -> protocol.Model:
   """SmolLM2-135M-Instruct as a `speclm.protocol.Model` (cached: later calls are free).
 
   The tied output head is stored untied (`llama.untie_head`): identical logits, faster on CPU.
   With `cpu_kernels`, every projection runs through `speclm.kernels.cpu_matmul`
   (`llama.pack_for_cpu`; inference only, and a second copy of the weights); the demo job and
-  the benchmark use it.
+  the benchmark use it. With `quantized`, the file's quantized matrices stay as stored
+  (`gguf.load_model`); the tied head then reads the Q8_0 table as stored, and `cpu_kernels`
+  packs only what is float.
   """
   if cpu_kernels:
-    return llama.pack_for_cpu(load_model(dtype))
-  return llama.untie_head(gguf.load_model(_open(), dtype=dtype))
+    return llama.pack_for_cpu(load_model(dtype, quantized=quantized))
+  return llama.untie_head(gguf.load_model(_open(), dtype=dtype, quantized=quantized))
 
 
 @functools.lru_cache(maxsize=1)

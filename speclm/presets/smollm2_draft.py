@@ -49,7 +49,7 @@ def draft_config(target_config: llama.LlamaConfig, num_layers: int, subset_size:
 
 def subset_embedding(target: protocol.Model, subset_ids, other_embedding) -> jax.Array:
   """`[S+1, D]`: the target's embedding rows for the subset, then the "other" row."""
-  table = target.params['embedder']['embedding']
+  table = llama.embedding_table(target)
   rows = jnp.take(table, jnp.asarray(subset_ids), axis=0)
   return jnp.concatenate([rows, jnp.asarray(other_embedding, table.dtype)[None]], axis=0)
 

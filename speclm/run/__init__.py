@@ -49,6 +49,7 @@ The package's modules:
   loading      load_job: a job's models and encoded prompts, for other tools
   fingerprint  what determines a job's outputs (job.json), so a resume never mixes two jobs
   errors       JobError and its kinds
+  compile_cache  the persistent compilation cache (on by default; `--nocompilation_cache`)
 The report (metrics.json, the summary table, the table by category) is
 `speclm.analysis.job_metrics` and `speclm.analysis.category_report`.
 """

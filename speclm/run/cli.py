@@ -17,6 +17,7 @@ from absl import logging
 from speclm import tokenizer
 from speclm.checkpoints import errors as checkpoint_errors
 from speclm.data import inputs
+from speclm.run import compile_cache
 from speclm.run import gin_cli
 from speclm.run import job
 from speclm.run import providers
@@ -38,6 +39,12 @@ _GIN_BINDINGS = flags.DEFINE_multi_string(
 _GIN_SEARCH_PATHS = flags.DEFINE_list(
     'gin_search_paths', [], 'Directories searched for gin files and their includes, before the'
     " current directory and the repository's configs/.")
+
+
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    'compilation_cache', True, "Keep compiled programs in the user's cache directory"
+    ' ($SPECLM_COMPILATION_CACHE, else ~/.cache/speclm/xla) so that a rerun of the same job'
+    ' skips compiling; --nocompilation_cache compiles everything afresh.')
 
 
 # Exceptions from below the job layer whose message names the file and the fault.
@@ -104,6 +111,7 @@ def _run() -> None:
   if not _GIN_FILE.value:
     raise JobError('No gin file given. Run e.g. python -m speclm.run'
                    ' --gin_file=test_tiny.gin --gin.OUTPUT_DIR="\'/tmp/out\'".')
+  compile_cache.enable(_COMPILATION_CACHE.value)  # before anything compiles
   gin_cli.parse_gin(_GIN_FILE.value, _GIN_BINDINGS.value, _GIN_SEARCH_PATHS.value)
   # Before gin builds any argument of run_job (a vocabulary written `@Vocabulary()` is built
   # when run_job is called): a missing checkpoint is the first thing reported.
@@ -113,6 +121,7 @@ def _run() -> None:
     job.run_sweep()  # pylint: disable=no-value-for-parameter
   else:
     job.run_job()  # pylint: disable=missing-kwoa
+  print(compile_cache.summary(), file=sys.stderr)
 
 
 def _fail(message: str, status: int = 2, prefix: str = 'error: ') -> None:

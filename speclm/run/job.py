@@ -37,6 +37,7 @@ from speclm import progress as progress_lib
 from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm.analysis import job_metrics
+from speclm.checkpoints import memory
 from speclm.run.calibration import costs as costs_lib
 from speclm.run.calibration import tree_policy as tree_policy_lib
 from speclm.data import inputs as inputs_lib
@@ -207,7 +208,7 @@ def run_job(*,
   try:
     inputs = _read_inputs(settings, vocabulary, dataset, process)
     fingerprint = _check_output_dir(out, settings, inputs.examples)
-    pair = _load_pair(settings, target, draft, partitioner, process, inputs.vocabulary)
+    pair = _load_pair(settings, target, draft, partitioner, process, inputs.vocabulary, stream)
     inputs = _encode_inputs(settings, inputs, pair)
     rule = _calibrate_gamma(settings, pair, inputs, stream)
     done = _accept_output_dir(out, fingerprint, pair)
@@ -289,9 +290,10 @@ def _check_output_dir(out: outputs_lib.OutputDir, settings: settings_lib.JobSett
 
 
 def _load_pair(settings: settings_lib.JobSettings, target, draft, partitioner,
-               process: _Process, vocabulary: vocab_lib.Vocabulary) -> _Pair:
+               process: _Process, vocabulary: vocab_lib.Vocabulary, stream) -> _Pair:
   """Phase 4: the target and (when a method speculates) the draft, placed in their shards
-  when a partitioner is set, and checked against the vocabulary and each other."""
+  when a partitioner is set, and checked against the vocabulary and each other; prints the
+  bytes of the weights each holds."""
   if partitioner is not None:
     partitioner = providers.provide(partitioner, 'Building the device mesh',
                                     partitioning.Partitioner)
@@ -317,6 +319,10 @@ def _load_pair(settings: settings_lib.JobSettings, target, draft, partitioner,
       decoding.check_pair(target_model, draft_model)
     except ValueError as e:
       raise JobError(str(e)) from None
+  held = [memory.describe('target', target_model.params)]
+  if draft_model is not None:
+    held.append(memory.describe('draft', draft_model.params))
+  print(f'Weights as held: {", ".join(held)}.', file=stream, flush=True)
   return _Pair(target=target_model, draft=draft_model)
 
 

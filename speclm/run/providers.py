@@ -32,6 +32,7 @@ from speclm import protocol
 from speclm import sampling as sampling_lib
 from speclm import text
 from speclm import token_trees
+from speclm.checkpoints import memory
 from speclm.data import inputs as inputs_lib
 from speclm.data import seqio_tasks
 from speclm.data import vocab as vocab_lib
@@ -226,7 +227,7 @@ def t5_checkpoint_model(config: Any = gin.REQUIRED, checkpoint_path: str = gin.R
 
 @gin.configurable
 def checkpoint_llm(path: str = gin.REQUIRED, dtype: str = 'float32', cpu_kernels: bool = False,
-                   draft_for: str | None = None) -> protocol.Model:
+                   draft_for: str | None = None, quantized: bool = False) -> protocol.Model:
   """Any decoder-only checkpoint speclm reads (`speclm.checkpoints.llm.load_llm`): a Hugging
   Face directory (Llama, Mistral, Qwen2/2.5/3, Gemma 2/3) or a GGUF file.
 
@@ -236,6 +237,11 @@ def checkpoint_llm(path: str = gin.REQUIRED, dtype: str = 'float32', cpu_kernels
   (`subset_vocab.resize_vocabulary`: q̃ = 0 on ids it lacks, still exact).
   `cpu_kernels`: as for `smollm2_model` (off by default: it keeps a second copy of the
   weights).
+  `quantized`: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K matrices stay as stored and are
+  multiplied by `speclm.kernels.quantized` (about 0.56 bytes a 4-bit weight instead of 4, or
+  8 with `cpu_kernels`); float32 activations on one CPU device only. Ignored, with a warning,
+  where the kernel cannot serve (several devices, bfloat16, no compiler, a Hugging Face
+  directory).
   """
   errors.check_path(path, 'checkpoint')
   from speclm.checkpoints import llm  # pylint: disable=g-import-not-at-top
@@ -245,7 +251,17 @@ def checkpoint_llm(path: str = gin.REQUIRED, dtype: str = 'float32', cpu_kernels
     errors.check_path(draft_for, 'target checkpoint')
     if text.check_draft_tokenizer(draft_for, path):  # then only the tables' padding differs
       target_vocab_size = llm.read_llm_config(draft_for).vocab_size
-  model = llm.load_llm(path, dtype=dtype)
+  config = llm.read_llm_config(path)
+  resized = target_vocab_size not in (None, config.vocab_size)
+  quantized = quantized and _quantized_usable(path, dtype, resized)
+  stored = None
+  if quantized:
+    from speclm.checkpoints import gguf  # pylint: disable=g-import-not-at-top
+    stored = gguf.stored_sizes(path, config)
+  memory.check_fits(f'The checkpoint {path}',
+                    memory.estimate_bytes(config, dtype, cpu_kernels, stored),
+                    _held_as(dtype, cpu_kernels, quantized))
+  model = llm.load_llm(path, dtype=dtype, quantized=quantized)
   if cpu_kernels:
     model = llama.pack_for_cpu(model)
   if target_vocab_size is not None:
@@ -284,14 +300,50 @@ def _chat_vocabulary(tok) -> vocab_lib.Vocabulary:
 
 
 @gin.configurable
-def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True) -> protocol.Model:
+def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True,
+                  quantized: bool = False) -> protocol.Model:
   """SmolLM2-135M-Instruct from its pip-installed GGUF file (`speclm.presets.smollm2`).
 
   `cpu_kernels`: every projection through `speclm.kernels.cpu_matmul` on a one-device CPU
   job (`llama.pack_for_cpu`; a no-op elsewhere).
+  `quantized`: the file's Q4_1 matrices and Q8_0 table kept as stored (97 MB instead of
+  1.19 GB), through `speclm.kernels.quantized` (see `checkpoint_llm`).
   """
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
-  return smollm2.load_model(dtype, cpu_kernels)
+  quantized = quantized and _quantized_usable(smollm2.gguf_path(), dtype, False)
+  stored = None
+  if quantized:
+    from speclm.checkpoints import gguf  # pylint: disable=g-import-not-at-top
+    stored = gguf.stored_sizes(smollm2.gguf_path(), smollm2.config())
+  memory.check_fits('SmolLM2-135M',
+                    memory.estimate_bytes(smollm2.config(), dtype, cpu_kernels, stored),
+                    _held_as(dtype, cpu_kernels, quantized))
+  return smollm2.load_model(dtype, cpu_kernels, quantized)
+
+
+def _held_as(dtype: str, cpu_kernels: bool, quantized: bool = False) -> str:
+  """How a provider holds the weights, for `memory.check_fits`' message."""
+  return ('quantized matrices as stored, the rest ' if quantized else '') + dtype + (
+      ', with a second copy packed for the CPU kernel' if cpu_kernels else '')
+
+
+def _quantized_usable(path: str, dtype: str, resized: bool) -> bool:
+  """Whether `checkpoint_llm.quantized` can be honoured: a GGUF file, float32 activations, one
+  CPU device, the kernel built, and not a draft whose table is fitted to its target's size."""
+  from speclm.checkpoints import llm  # pylint: disable=g-import-not-at-top
+  from speclm.kernels import quantized  # pylint: disable=g-import-not-at-top
+  reason = None
+  if llm.checkpoint_kind(path) != 'gguf':
+    reason = 'it is not a GGUF file'
+  elif dtype != 'float32' or not llama.cpu_kernels_usable(dtype):
+    reason = ('the quantized kernel needs float32 activations on one CPU device'
+              + ('' if quantized.available() else ' and its build failed'))
+  elif resized:
+    reason = "a draft whose table is padded to its target's size is held as float32"
+  if reason is not None:
+    gin_cli.warn(f'checkpoint_llm.quantized is ignored for {path}: {reason}; its matrices are'
+                 ' dequantized.')
+  return reason is None
 
 
 @gin.configurable

