@@ -29,7 +29,9 @@ from speclm.kernels import cpu_matmul
 FORMATS = cpu_matmul.QUANTIZED_FORMATS
 # Up to this many rows (batch × tokens) a product widens the blocks in registers; above it,
 # a prompt's product dequantizes the matrix once (a temporary float32 copy, freed after the
-# call) and takes XLA's matrix-matrix kernel, which is faster for many rows.
+# call) and takes XLA's matrix-matrix kernel. Measured on SmolLM2's whole prefill (2 cores,
+# tokens/s, kernel vs widened + GEMM): 64 rows 269 vs 247, 128 rows 273 vs 313
+# (docs/performance.md).
 MAX_KERNEL_ROWS = 64
 
 
