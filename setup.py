@@ -45,7 +45,7 @@ setuptools.setup(
     license='Apache-2.0',
     python_requires='>=3.10',
     packages=setuptools.find_packages(include=['speclm', 'speclm.*']),
-    package_data={'speclm': ['assets/*/*', 'kernels/*.cc']},
+    package_data={'speclm': ['assets/*/*', 'kernels/*.cc', 'kernels/*.h']},
     install_requires=CORE,
     extras_require=EXTRAS,
 )

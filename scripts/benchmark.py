@@ -550,7 +550,7 @@ def main(argv):
       float32_draft = wrap(float32_draft)
   tied_target = None
   if _ABLATIONS.value:
-    tied_target = gguf.load_model(smollm2._open())  # pylint: disable=protected-access
+    tied_target = gguf.load_model(smollm2.gguf_file())
     if _TARGET_LAYERS.value:  # a smoke run: the same cut as the target's
       tied_target = llama.first_layers(tied_target, _TARGET_LAYERS.value)
   categorized = workload_prompts()

@@ -58,7 +58,7 @@ def test_config_read_from_metadata(smol):
   model, _ = smol
   # The file ties the head to the embeddings; load_model stores the head untied for speed.
   from speclm.checkpoints import gguf  # pylint: disable=import-outside-toplevel
-  assert gguf.config_from_gguf(smollm2._open()).tie_embeddings
+  assert gguf.config_from_gguf(smollm2.gguf_file()).tie_embeddings
   assert model.definition.config == llama.LlamaConfig(
       vocab_size=49152, num_layers=30, embed_dim=576, num_heads=9, num_kv_heads=3, head_dim=64,
       mlp_dim=1536, rope_theta=100_000.0, norm_eps=model.definition.config.norm_eps,

@@ -403,6 +403,18 @@ def gguf_name(hf_name: str, family: str) -> str:
   return f'blk.{layer}.{names[module]}.{kind}'
 
 
+def _hf_row_order(file: GGUFFile, config: llama.LlamaConfig, name: str, rows: np.ndarray
+                  ) -> np.ndarray:
+  """A tensor's rows (decoded or stored blocks) in Hugging Face's order: the 'llama'
+  architecture's Q/K rows are interleaved per head by the converter."""
+  if file.architecture == 'llama':
+    if name.endswith('attn_q.weight'):
+      return unpermute_rows(rows, config.num_heads)
+    if name.endswith('attn_k.weight'):
+      return unpermute_rows(rows, config.num_kv_heads)
+  return rows
+
+
 class _Decoded(abc.Mapping):
   """HF tensor name -> the GGUF tensor converted from it, decoded back to HF's values and
   layout (each when it is read, as `hf_llama.params_from_hf` converts them one by one)."""
@@ -412,12 +424,7 @@ class _Decoded(abc.Mapping):
 
   def __getitem__(self, hf_name: str) -> np.ndarray:
     name, c = self._names[hf_name], self._config
-    x = self._file.tensor(name)
-    if self._file.architecture == 'llama':  # rows interleaved per head by the converter
-      if name.endswith('attn_q.weight'):
-        x = unpermute_rows(x, c.num_heads)
-      elif name.endswith('attn_k.weight'):
-        x = unpermute_rows(x, c.num_kv_heads)
+    x = _hf_row_order(self._file, c, name, self._file.tensor(name))
     if c.norm_offset and name.endswith('norm.weight'):  # Gemma: the file holds offset + w
       x = x - np.float32(c.norm_offset)
     return x
@@ -444,31 +451,32 @@ def _stored_rows(file: GGUFFile, config: llama.LlamaConfig, name: str) -> np.nda
     f.seek(int(tensor.data_offset))
     if f.readinto(memoryview(rows).cast('B')) != rows.nbytes:
       raise ValueError(f'{file.path!r} ends inside the tensor {name!r}.')
-  if file.architecture == 'llama':
-    if name.endswith('attn_q.weight'):
-      rows = unpermute_rows(rows, config.num_heads)
-    elif name.endswith('attn_k.weight'):
-      rows = unpermute_rows(rows, config.num_kv_heads)
-  return np.ascontiguousarray(rows)
+  return np.ascontiguousarray(_hf_row_order(file, config, name, rows))
 
 
-def _quantized_matrices(file: GGUFFile, config: llama.LlamaConfig,
-                        expected: Mapping[str, tuple[str, tuple[int, ...]]]
-                        ) -> dict[str, tuple[str, np.ndarray]]:
-  """Our names of the matrices kept as stored -> (format, rows): every kernel and the
-  embedding table whose GGUF type `speclm.kernels.quantized` multiplies. Quantized matrices of
-  other types are dequantized to float32, said in one warning line."""
-  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+def _matrix_types(file: GGUFFile, config: llama.LlamaConfig) -> dict[str, tuple[str, str]]:
+  """Our names of the matrices that could stay as stored (every kernel and the embedding
+  table) -> (their GGUF tensor name, its type name)."""
   gguf = _gguf()
-  ours = {hf: path for path, (hf, _, _) in hf_llama.weight_names(config).items()}
+  out = {}
+  for ours, (hf, _, shape) in hf_llama.weight_names(config).items():
+    name = gguf_name(hf, config.family)
+    if (len(shape) == 2 and name in file.tensors
+        and ours.endswith(('/kernel', 'embedder/embedding'))):
+      out[ours] = (name, gguf.GGMLQuantizationType(file.tensors[name].tensor_type).name)
+  return out
+
+
+def _quantized_matrices(file: GGUFFile, config: llama.LlamaConfig
+                        ) -> dict[str, tuple[str, np.ndarray]]:
+  """Our names of the matrices kept as stored -> (format, rows): those whose GGUF type
+  `speclm.kernels.quantized` multiplies. Quantized matrices of other types are dequantized to
+  float32, said in one warning line."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
   kept, widened = {}, {}
-  for hf, (name, shape) in expected.items():
-    path = ours[hf]
-    if len(shape) != 2 or not path.endswith(('/kernel', 'embedder/embedding')):
-      continue
-    kind = gguf.GGMLQuantizationType(file.tensors[name].tensor_type).name
+  for ours, (name, kind) in _matrix_types(file, config).items():
     if kind in quantized.FORMATS:
-      kept[path] = (kind, _stored_rows(file, config, name))
+      kept[ours] = (kind, _stored_rows(file, config, name))
     elif kind not in ('F32', 'F16', 'BF16'):
       widened[kind] = widened.get(kind, 0) + 1
   if widened:
@@ -478,22 +486,16 @@ def _quantized_matrices(file: GGUFFile, config: llama.LlamaConfig,
   return kept
 
 
-def stored_sizes(path: str | os.PathLike, config: llama.LlamaConfig) -> dict[str, int]:
+def stored_sizes(source: str | os.PathLike | GGUFFile, config: llama.LlamaConfig
+                 ) -> dict[str, int]:
   """Our parameter names of the matrices `load_model(quantized=True)` keeps as stored -> their
-  bytes (for `speclm.checkpoints.memory.estimate_bytes`), from the tensor records alone."""
+  bytes (for `speclm.checkpoints.memory.estimate_bytes`), from the tensor records alone.
+  `source`: the file, or a `GGUFFile` already opened."""
   from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-  gguf = _gguf()
-  file = open_gguf(path)
-  sizes = {}
-  for path_ours, (hf, _, shape) in hf_llama.weight_names(config).items():
-    name = gguf_name(hf, config.family)
-    if (len(shape) != 2 or name not in file.tensors
-        or not path_ours.endswith(('/kernel', 'embedder/embedding'))):
-      continue
-    tensor = file.tensors[name]
-    if gguf.GGMLQuantizationType(tensor.tensor_type).name in quantized.FORMATS:
-      sizes[path_ours] = int(tensor.n_bytes)
-  return sizes
+  file = source if isinstance(source, GGUFFile) else open_gguf(source)
+  return {ours: int(file.tensors[name].n_bytes)
+          for ours, (name, kind) in _matrix_types(file, config).items()
+          if kind in quantized.FORMATS}
 
 
 def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig, quantized: bool = False) -> dict:
@@ -514,7 +516,7 @@ def params_from_gguf(file: GGUFFile, config: llama.LlamaConfig, quantized: bool 
   if extra:
     raise ValueError(f'{file.path!r} has tensors a {config.family} model does not use:'
                      f' {extra[:5]}{" …" if len(extra) > 5 else ""}.')
-  stored = _quantized_matrices(file, config, expected) if quantized else {}
+  stored = _quantized_matrices(file, config) if quantized else {}
   kept = {hf for hf, _, _ in (hf_llama.weight_names(config)[path] for path in stored)}
   names = {hf: name for hf, (name, _) in expected.items() if hf not in kept}
   return hf_llama.params_from_hf(_Decoded(file, config, names), config, stored=stored)

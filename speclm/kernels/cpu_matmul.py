@@ -87,6 +87,7 @@ def _quantized_symbols():
 
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
                  for name in ('skinny_matmul.cc', 'quantized_matmul.cc'))
+_HEADERS = (os.path.join(os.path.dirname(__file__), 'parallel_tasks.h'),)  # part of the key
 
 
 def _cache_dir() -> str:
@@ -101,7 +102,7 @@ def _compiler() -> str | None:
 def library_path() -> str:
   """Where the compiled kernel for this source, JAX version and machine lives (or will)."""
   digest = hashlib.sha256()
-  for source in _SOURCES:
+  for source in _SOURCES + _HEADERS:
     with open(source, 'rb') as f:
       digest.update(f.read())
   digest.update(jax.__version__.encode() + platform.machine().encode() + platform.node().encode())

@@ -3,8 +3,8 @@
 // Q5_K, Q6_K: 256), read as stored and widened to float32 in registers. No float32 copy of
 // the matrix exists: a 4-bit matrix streams about 0.56 bytes a weight instead of 4.
 //
-// Threads take output rows 16 at a time from a shared counter (the calling thread and helpers
-// on XLA's own thread pool, as in skinny_matmul.cc). For one output row the thread widens the
+// Threads take output rows 16 at a time (`speclm::RunTasks`, parallel_tasks.h: the calling
+// thread and helpers on XLA's own thread pool). For one output row the thread widens the
 // row's K weights once into a buffer that stays in L1/L2, then takes the dot product with each
 // of the M input rows (four at a time, each widened weight used for all four). Every dot
 // product runs the same code in the same order, whatever M and whichever thread (`DotRows`),
@@ -23,11 +23,8 @@
 //                                                    per 16 weights: w = d·s·(q − 32)
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -35,6 +32,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -287,31 +285,6 @@ inline void DotAllRows(const float* x, int64_t m, int64_t k_dim, const float* w,
   }
 }
 
-struct TaskQueue {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-// Runs `body(first_row, end_row)` over [0, rows) in tasks of kRowsPerTask, on the calling
-// thread and XLA's pool; returns when every task has finished.
-template <typename Body>
-void RunTasks(ffi::ThreadPool& pool, int64_t rows, Body body) {
-  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  auto queue = std::make_shared<TaskQueue>();
-  auto work = [=](TaskQueue* q) {
-    int64_t finished = 0;
-    for (int64_t t = q->next.fetch_add(1); t < tasks; t = q->next.fetch_add(1)) {
-      body(t * kRowsPerTask, std::min((t + 1) * kRowsPerTask, rows));
-      ++finished;
-    }
-    if (finished) q->done.fetch_add(finished, std::memory_order_release);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue, work] { work(queue.get()); });
-  work(queue.get());
-  while (queue->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
-}
-
 template <typename F>
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> y) {
@@ -326,7 +299,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* x_data = x.typed_data();
   const uint8_t* w_data = w.typed_data();
   float* y_data = y->typed_data();
-  RunTasks(pool, n, [=](int64_t first, int64_t end) {
+  speclm::RunTasks(pool, n, kRowsPerTask, [=](int64_t first, int64_t end) {
     thread_local std::vector<float> widened, dots;
     if (static_cast<int64_t>(widened.size()) < k_dim) widened.resize(k_dim);
     if (static_cast<int64_t>(dots.size()) < m) dots.resize(m);
@@ -351,7 +324,7 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
   const int64_t k_dim = y_dims[1], row_bytes = w_dims[1];
   const uint8_t* w_data = w.typed_data();
   float* y_data = y->typed_data();
-  RunTasks(pool, w_dims[0], [=](int64_t first, int64_t end) {
+  speclm::RunTasks(pool, w_dims[0], kRowsPerTask, [=](int64_t first, int64_t end) {
     for (int64_t row = first; row < end; ++row)
       WidenRow<F>(w_data + row * row_bytes, k_dim, y_data + row * k_dim);
   });

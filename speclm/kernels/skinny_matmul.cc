@@ -15,14 +15,12 @@
 // panels were shared among threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel_tasks.h"
 
 namespace ffi = xla::ffi;
 
@@ -89,16 +87,7 @@ void PanelAnyRows(int64_t rows, const float* x, int64_t k_dim, const W* panel, f
   }
 }
 
-// Panels are handed out one at a time from a shared counter, to the calling thread and to
-// helpers scheduled on XLA's own CPU thread pool (not OpenMP: a second pool of threads would
-// fight XLA's for the two cores, and waking it cost up to a third of a speculative round).
-// The caller works too and then waits until every claimed panel is written, so it is correct
-// whether or not a helper ever runs; a helper that starts late finds no panel left and only
-// touches the shared counters, which it co-owns.
-struct PanelQueue {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
+// Panels are shared between threads one at a time (`speclm::RunTasks`, parallel_tasks.h).
 
 template <ffi::DataType kWeightType>
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -115,10 +104,8 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto* p_data = packed.typed_data();
   float* y_data = y->typed_data();
 
-  auto queue = std::make_shared<PanelQueue>();
-  auto work = [=](PanelQueue* q) {
-    int64_t finished = 0;
-    for (int64_t p = q->next.fetch_add(1); p < panels; p = q->next.fetch_add(1)) {
+  speclm::RunTasks(pool, panels, 1, [=](int64_t first, int64_t end) {
+    for (int64_t p = first; p < end; ++p) {
       float block[kRowBlock * kPanel] __attribute__((aligned(64)));
       const auto* panel = p_data + p * k_dim * kPanel;
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
@@ -128,14 +115,8 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
           for (int64_t j = 0; j < kPanel; ++j)
             y_data[(r0 + r) * n_padded + p * kPanel + j] = block[r * kPanel + j];
       }
-      ++finished;
     }
-    if (finished) q->done.fetch_add(finished, std::memory_order_release);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([queue, work] { work(queue.get()); });
-  work(queue.get());
-  while (queue->done.load(std::memory_order_acquire) < panels) std::this_thread::yield();
+  });
   return ffi::Error::Success();
 }
 

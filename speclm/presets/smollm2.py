@@ -57,14 +57,15 @@ def is_available() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _open() -> gguf.GGUFFile:
-  # Parsing the file's metadata (49k tokens, 49k merges) takes seconds: do it once.
+def gguf_file() -> gguf.GGUFFile:
+  """The GGUF file opened once (parsing its metadata, 49k tokens and 49k merges, takes
+  seconds); shared by the model, the tokenizer and the memory estimate."""
   return gguf.open_gguf(gguf_path())
 
 
 def config(dtype: str = 'float32') -> llama.LlamaConfig:
   """SmolLM2-135M's `LlamaConfig`, read from the file's metadata (no weight read)."""
-  return gguf.config_from_gguf(_open(), dtype=dtype)
+  return gguf.config_from_gguf(gguf_file(), dtype=dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,13 +82,13 @@ def load_model(dtype: str = 'float32', cpu_kernels: bool = False,
   """
   if cpu_kernels:
     return llama.pack_for_cpu(load_model(dtype, quantized=quantized))
-  return llama.untie_head(gguf.load_model(_open(), dtype=dtype, quantized=quantized))
+  return llama.untie_head(gguf.load_model(gguf_file(), dtype=dtype, quantized=quantized))
 
 
 @functools.lru_cache(maxsize=1)
 def load_tokenizer():
   """SmolLM2's tokenizer and chat template (a `speclm.tokenizer.Tokenizer`), from the GGUF."""
-  return gguf.load_tokenizer(_open())
+  return gguf.load_tokenizer(gguf_file())
 
 
 def load(dtype: str = 'float32', cpu_kernels: bool = False):

@@ -38,7 +38,7 @@ def _kernel_sources_digest() -> str:
   kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'kernels')
   digest = hashlib.sha256()
   for name in sorted(os.listdir(kernels)):
-    if name.endswith('.cc'):
+    if name.endswith(('.cc', '.h')):
       with open(os.path.join(kernels, name), 'rb') as f:
         digest.update(name.encode() + b'\0' + f.read())
   return digest.hexdigest()

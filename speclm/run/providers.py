@@ -311,12 +311,12 @@ def smollm2_model(dtype: str = 'float32', cpu_kernels: bool = True,
   """
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
   quantized = quantized and _quantized_usable(smollm2.gguf_path(), dtype, False)
+  config = smollm2.config()
   stored = None
   if quantized:
     from speclm.checkpoints import gguf  # pylint: disable=g-import-not-at-top
-    stored = gguf.stored_sizes(smollm2.gguf_path(), smollm2.config())
-  memory.check_fits('SmolLM2-135M',
-                    memory.estimate_bytes(smollm2.config(), dtype, cpu_kernels, stored),
+    stored = gguf.stored_sizes(smollm2.gguf_file(), config)
+  memory.check_fits('SmolLM2-135M', memory.estimate_bytes(config, dtype, cpu_kernels, stored),
                     _held_as(dtype, cpu_kernels, quantized))
   return smollm2.load_model(dtype, cpu_kernels, quantized)
 
