@@ -18,8 +18,9 @@ Stages (each resumable; `--stage=all` runs them in order):
      SmolLM2's hidden states after layers 2, 15 and 27 and its top-k temperature-1
      distribution (soft labels), bfloat16 through PyTorch (about 2x XLA's float32 on 2 cores,
      see docs/drafts.md), shard by shard until --feature_budget_s.
-  3. train: `scripts/train_smollm2_eagle.py --stage=train`: EAGLE-3 with training-time test on
-     every shard with features, for --train_budget_s (the learning rate decays over the
+  3. train: `scripts/train_smollm2_eagle.py --stage=train --train_backend=torch`: EAGLE-3 with
+     training-time test on every shard with features, its steps in PyTorch bfloat16
+     (`speclm.models.eagle_torch`), for --train_budget_s (the learning rate decays over the
      budget), saving its state so a later run continues; held-out acceptance estimates against
      positions seen go to training_curve-*.jsonl.
   4. evaluate: the same script's α on held-out and demo prompts, the model card, the file.
@@ -74,8 +75,11 @@ _OWN_REPLIES = flags.DEFINE_string('own_replies_dir', None,
                                    "A work dir of SmolLM2's own replies to train on as well.")
 _EVALUATE = flags.DEFINE_bool('evaluate', True, 'Whether --stage=all ends with the evaluate'
                               ' stage (α on held-out and demo prompts, the model card).')
-_EXTRA = flags.DEFINE_list('eagle_flags', ['--batch_size=4', '--ttt_steps=3', '--input_norms'],
-                           'Further flags for scripts/train_smollm2_eagle.py.')
+_EXTRA = flags.DEFINE_list('eagle_flags', ['--batch_size=8', '--ttt_steps=3', '--input_norms',
+                                           '--train_backend=torch'],
+                           'Further flags for scripts/train_smollm2_eagle.py (the training'
+                           ' steps in PyTorch bfloat16: several times XLA\'s float32 on'
+                           ' CPUs with AMX, docs/drafts.md).')
 
 
 def evaluation_texts() -> list[str]:

@@ -125,6 +125,11 @@ _EVAL_PROMPTS = flags.DEFINE_integer('eval_prompts', 16,
 _TOP_K = flags.DEFINE_integer('label_top_k', 16, 'Target tokens kept per position as soft'
                               ' labels (label_*.npz, written by the features stage where'
                               ' missing; 0: none, next-token labels only).')
+_TRAIN_BACKEND = flags.DEFINE_enum(
+    'train_backend', 'jax', ['jax', 'torch'],
+    'Where EAGLE-3 training steps run: jax (XLA, float32) or torch (speclm.models.eagle_torch:'
+    ' the same loss, products in bfloat16 under autocast, float32 master weights; on CPUs'
+    ' with AMX the faster one, docs/drafts.md).')
 _SOFT_WEIGHT = flags.DEFINE_float('soft_weight', 0.7,
                                   'Weight of cross-entropy against the soft labels in the token'
                                   ' loss (the rest is next-token cross-entropy); 0 without'
@@ -469,6 +474,17 @@ def train(target, head_ids, layers):
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, value, aux
 
+  trainer = None
+  if _TRAIN_BACKEND.value == 'torch':
+    if layers is None:
+      raise app.UsageError('--train_backend=torch trains EAGLE-3 drafts (--feature_layers).')
+    from speclm.models import eagle_torch  # pylint: disable=import-outside-toplevel
+    trainer = eagle_torch.Trainer(definition, {**frozen, **state['trained']},
+                                  steps=_TTT_STEPS.value,
+                                  soft_weight=_SOFT_WEIGHT.value if _TOP_K.value else 0.0)
+    if _RESUME.value and os.path.exists(state_path + '.torch'):
+      trainer.restore(state_path + '.torch', state['trained'])
+
   metrics_of_batch = jax.jit(lambda trained, frozen, tokens, feats, *rest: acceptance_metrics(
       draft_logits(definition, {**frozen, **trained}, tokens, feats, layers), *rest))
 
@@ -491,6 +507,9 @@ def train(target, head_ids, layers):
     if saved_at[0] == int(state['step']):
       return
     saved_at[0] = int(state['step'])
+    if trainer is not None:  # the torch parameters into the Flax tree that is saved
+      state['trained'] = trainer.module.trained_tree()
+      trainer.save(state_path + '.torch')
     with open(state_path + '.tmp', 'wb') as f:
       f.write(serialization.to_bytes(state))
     os.replace(state_path + '.tmp', state_path)
@@ -518,9 +537,13 @@ def train(target, head_ids, layers):
       batch = make_batch(seqs, order[first:first + _BATCH.value], to_head)
       i = int(state['step'])
       progress = (time.time() - start) / budget if budget else i / steps
-      state['opt_state'].hyperparams['learning_rate'] = jnp.asarray(learning_rate(i, progress))
-      state['trained'], state['opt_state'], value, (accuracy, other) = step(
-          state['trained'], state['opt_state'], frozen, noise_key, *map(jnp.asarray, batch))
+      if trainer is not None:
+        value, accuracy, other = trainer.step(learning_rate(i, progress), *batch)
+      else:
+        state['opt_state'].hyperparams['learning_rate'] = jnp.asarray(
+            learning_rate(i, progress))
+        state['trained'], state['opt_state'], value, (accuracy, other) = step(
+            state['trained'], state['opt_state'], frozen, noise_key, *map(jnp.asarray, batch))
       state.update(step=i + 1, seconds=time.time() - start, loss=float(value),
                    positions=int(state['positions']) + int(batch[-1].sum()))
       if i % 25 == 0:
@@ -702,7 +725,7 @@ def main(argv):
         feature_layers=None if layers is None else list(layers),
         ttt_steps=1 if layers is None else _TTT_STEPS.value,
         num_layers=_NUM_LAYERS.value, init_layer=_INIT_LAYER.value, head_size=len(head_ids),
-        input_norms=_INPUT_NORMS.value,
+        input_norms=_INPUT_NORMS.value, train_backend=_TRAIN_BACKEND.value,
         embed_dim=target.definition.config.embed_dim, seed=_SEED.value,
         learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
         label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value if _TOP_K.value else 0.0,

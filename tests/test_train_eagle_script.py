@@ -125,6 +125,34 @@ def test_the_file_loads_decodes_exactly_and_has_its_card(run, target):
   np.testing.assert_array_equal(spec.tokens, base.tokens)
 
 
+def test_torch_backend_trains_a_draft_the_flax_code_loads_and_resumes(run, target, tmp_path):
+  """--train_backend=torch (`speclm.models.eagle_torch`) on the same features and soft labels:
+  the file loads as the Flax EAGLE-3 draft, and a second run continues from the saved step."""
+  work = tmp_path / 'work'
+  work.mkdir()
+  for path in glob.glob(os.path.join(run[0], '*.npz')):
+    if os.path.basename(path).startswith(('gen_', 'feat', 'label_')):
+      shutil.copy(path, work)
+  out = tmp_path / 'out'
+  flags = [*EAGLE, f'--work_dir={work}', f'--output_dir={out}', '--stage=train',
+           '--train_backend=torch', '--evaluate=false']
+  log = run_script(*flags)
+  assert 'at unrolled step 2' in log and 'held-out teacher-forced accuracy' in log
+  path = os.path.join(out, smollm2_draft.EAGLE_FILE)
+  trained, _, metadata = smollm2_draft.read(path)
+  assert metadata['train_backend'] == 'torch' and metadata['steps'] >= 1
+  assert set(trained) == {'reduce', 'fuse', 'layers_0', 'final_norm'}
+  assert os.path.exists(work / 'train_state-l2-15-27.msgpack.torch')
+  draft = smollm2_draft.load_eagle(target, path)
+  assert draft.definition.feature_layers == LAYERS
+
+  log = run_script(*flags, '--epochs=1.0')  # twice the steps: goes on from the saved state
+  assert 'resuming from' in log
+  _, _, again = smollm2_draft.read(path)
+  assert again['steps'] > metadata['steps']
+  assert again['positions_seen'] > metadata['positions_seen']
+
+
 def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
   """scripts/compare_drafts.py on tiny settings with this run's draft, alone and behind lookup
   first (the shipped drafts' rows are left out here: each costs compilations): a row per

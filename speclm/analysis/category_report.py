@@ -3,16 +3,17 @@
 For a dataset whose records carry a category (`speclm.data.conversations`: Spec-Bench's tasks),
 each category's row holds, from its records (every decoded turn):
 
-  speedup                 baseline time / speculative time (compare mode)
+  speedup                 speculative tokens/s over baseline tokens/s (compare mode)
   tokens_per_target_call  Spec-Bench's τ, the mean accepted tokens per target call: the
                           speculative method's tokens / its target calls (Eq. 1 measured)
   alpha                   Σβ / count over the category's rounds (Corollary 3.6)
   <method>_tokens_per_s   each method's tokens / its time
   examples, turns         conversations (distinct ids) and decoded turns
 
-and an 'overall' row computed as Spec-Bench computes its overall speedup: each method's total
-tokens over its total time, and speedup = the ratio of those two rates (so at temperature > 0,
-where the methods' outputs differ in length, it is a ratio of speeds, not of times).
+and an 'overall' row over every record. Every row's speedup is computed as Spec-Bench computes
+it: each method's total tokens over its total time, and the ratio of those two rates. At
+temperature 0 the outputs are identical and this is the ratio of times; at temperature > 0,
+where the methods' outputs differ in length, it is a ratio of speeds, not of times.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 
 def _row(records: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
   """One row's sums and rates over `records` (each method's time, tokens and tokens/s; the
-  speculative method's τ and α; the time ratio as the speedup)."""
+  speculative method's τ and α; the ratio of the two rates as the speedup)."""
   row: dict[str, Any] = {'examples': len({r['id'] for r in records}), 'turns': len(records)}
   for method in methods:
     entries = [r[method] for r in records]
@@ -44,7 +45,8 @@ def _row(records: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any
     row['alpha'] = _ratio(sum(e['beta_sum'] for e in entries),
                           sum(e['beta_count'] for e in entries))
   if 'baseline' in methods and 'speculative' in methods:
-    row['speedup'] = _ratio(row['baseline_time_s'], row['speculative_time_s'])
+    base, spec = row['baseline_tokens_per_s'], row['speculative_tokens_per_s']
+    row['speedup'] = None if base is None or spec is None else _ratio(spec, base)
   return row
 
 
@@ -63,11 +65,7 @@ def by_category(decoded: list[dict[str, Any]], methods: Sequence[str]) -> dict[s
   if not groups:
     return None
   table = {category: _row(records, methods) for category, records in groups.items()}
-  overall = _row(decoded, methods)
-  if 'speedup' in overall:  # Spec-Bench's overall: the ratio of total tokens over total time
-    base, spec = overall['baseline_tokens_per_s'], overall['speculative_tokens_per_s']
-    overall['speedup'] = None if base is None or spec is None else _ratio(spec, base)
-  table[OVERALL] = overall
+  table[OVERALL] = _row(decoded, methods)
   return table
 
 
