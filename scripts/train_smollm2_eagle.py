@@ -93,6 +93,9 @@ _CLS_WEIGHT = flags.DEFINE_float('cls_weight', 0.3, 'Weight of the next-token cr
                                  ' (EAGLE only).')
 _NOISE = flags.DEFINE_float('feature_noise', 0.1, 'Uniform noise on the input features'
                             ' (EAGLE only).')
+_OWN_REPEAT = flags.DEFINE_integer(
+    'own_replies_repeat', 1, "Times per epoch each sequence of SmolLM2's own replies"
+    ' (gen_own_*.npz, `scripts/train_sharegpt_draft.py --stage=replies`) is trained on.')
 _HELDOUT_SHARDS = flags.DEFINE_integer('heldout_shards', 1,
                                        'Last data shards kept out of training (accuracy check).')
 _TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', None,
@@ -294,10 +297,12 @@ def load_data(layers):
         soft = [(p, i) for p, i in zip(labels['probs'], labels['ids'])]
     with np.load(shard) as data, np.load(feat) as f:
       replies = (data['loss_mask'] if 'loss_mask' in data else data['prompt_lengths'])
-      pairs.append([(row[:n], h[:n], p[:n] if p.ndim else p,
-                     None if s is None else (s[0][:n], s[1][:n]))
-                    for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
-                                               replies, soft)])
+      rows = [(row[:n], h[:n], p[:n] if p.ndim else p,
+               None if s is None else (s[0][:n], s[1][:n]))
+              for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
+                                         replies, soft)]
+    own = os.path.basename(shard).startswith('gen_own_')
+    pairs.append(rows * (_OWN_REPEAT.value if own else 1))
   cut = len(pairs) - _HELDOUT_SHARDS.value
   return sum(pairs[:cut], []), sum(pairs[cut:], [])
 
@@ -634,6 +639,47 @@ def _loss(m: dict) -> str:
           f" noise ±{m['feature_noise']}")
 
 
+def data_sources(layers) -> dict[str, dict[str, int]]:
+  """Training sequences and reply tokens by source, over the training shards with features:
+  'sharegpt' (pieces of ShareGPT conversations), 'own_replies' (SmolLM2's replies to their
+  first turns) and 'generated' (`scripts/train_smollm2_draft.py --stage=generate`)."""
+  sources: dict[str, dict[str, int]] = {}
+  shards = _shards('gen_*.npz')
+  for shard in shards[:len(shards) - _HELDOUT_SHARDS.value]:
+    if not os.path.exists(feature_file(shard, layers)):
+      continue
+    name = os.path.basename(shard)
+    kind = ('sharegpt' if name.startswith('gen_sharegpt_') else
+            'own_replies' if name.startswith('gen_own_') else 'generated')
+    with np.load(shard) as data:
+      lengths = data['lengths']
+      replies = (data['loss_mask'].sum() if 'loss_mask' in data else
+                 (lengths - data['prompt_lengths']).sum())
+    counts = sources.setdefault(kind, dict(sequences=0, reply_tokens=0))
+    counts['sequences'] += len(lengths)
+    counts['reply_tokens'] += int(replies)
+  return sources
+
+
+def _data(m: dict) -> str:
+  """The model card's data line."""
+  described = {
+      'sharegpt': lambda n, r: f'{n:,} pieces of ShareGPT V3 conversations ({r:,} reply tokens;'
+                               ' `scripts/train_sharegpt_draft.py`)',
+      'own_replies': lambda n, r: f"SmolLM2's own replies to {n:,} of their first turns ({r:,}"
+                                  f" tokens, each seen {m.get('own_replies_repeat', 1)}x per"
+                                  ' epoch)',
+      'generated': lambda n, r: f"{n:,} prompts with SmolLM2's replies ({r:,} tokens;"
+                                ' `scripts/train_smollm2_draft.py --stage=generate`: built-in'
+                                ' training prompts, and where asked requests SmolLM2 wrote'
+                                ' itself and requests on passages)'}
+  sources = m.get('data_sources') or {
+      'generated': dict(sequences=m['sequences'], reply_tokens=m['tokens_per_epoch'])}
+  parts = [described[kind](c['sequences'], c['reply_tokens']) for kind, c in sources.items()]
+  return (f"{'; '.join(parts)}; SmolLM2's features at every position"
+          f" ({m['tokens_per_epoch']:,} tokens per epoch)")
+
+
 def model_card(m: dict, file_bytes: int) -> str:
   rows = '\n'.join(
       f'| {label} | {m[key]["alpha_t0"]:.3f} | {m[key]["tokens_per_call_t0"]:.2f} |'
@@ -645,10 +691,7 @@ def model_card(m: dict, file_bytes: int) -> str:
       ('file', f'`{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16)'),
       ('architecture', _architecture(m)),
       ('target', m['target']),
-      ('data', f"{m['sequences']} prompts with SmolLM2's replies"
-               " (`scripts/train_smollm2_draft.py --stage=generate`: built-in training prompts,"
-               " and where asked requests SmolLM2 wrote itself and requests on passages) and"
-               f" SmolLM2's features at every position ({m['tokens_per_epoch']:,} tokens)"),
+      ('data', _data(m)),
       ('training', f"{m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate"
                    f" {m['learning_rate']}, {m['epochs']} epochs; {_loss(m)}; argmax accuracy"
                    " on the replies of the held-out data shard, teacher-forced,"
@@ -730,11 +773,17 @@ def main(argv):
         learning_rate=_LR.value, cls_weight=_CLS_WEIGHT.value, feature_noise=_NOISE.value,
         label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value if _TOP_K.value else 0.0,
         hardware=_hardware(), generation_seconds=round(_recorded_seconds(layers)[0], 1),
-        feature_seconds=round(_recorded_seconds(layers)[1], 1), **info)
+        feature_seconds=round(_recorded_seconds(layers)[1], 1),
+        data_sources=data_sources(layers), own_replies_repeat=_OWN_REPEAT.value, **info)
     smollm2_draft.save(path, trained, head_ids, metadata)
     if not _EVALUATE.value:
       logging.info('wrote %s (no α yet: run --stage=evaluate)', path)
       return
+  if 'data_sources' not in metadata:  # a file from before the sources were recorded
+    layers = metadata.get('feature_layers')
+    layers = None if layers is None else tuple(layers)
+    metadata.update(data_sources=data_sources(layers), own_replies_repeat=_OWN_REPEAT.value,
+                    generation_seconds=round(_recorded_seconds(layers)[0], 1))
   metadata = evaluate(target, tok, trained, head_ids, metadata)
   smollm2_draft.save(path, trained, head_ids, metadata)
   with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w', encoding='utf-8') as f:

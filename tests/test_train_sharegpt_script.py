@@ -1,6 +1,6 @@
 """scripts/train_sharegpt_draft.py end to end on a tiny ShareGPT file made here: pieces with
-reply masks, the evaluation overlap dropped, PyTorch bfloat16 features equal to the float32
-model's within rounding, a few steps of EAGLE-3 with input norms, a training curve, a resume,
+reply masks, the evaluation overlap dropped, SmolLM2's own replies to the first turns,
+PyTorch bfloat16 features equal to the float32 model's within rounding, a few steps of EAGLE-3 with input norms, a training curve, a resume,
 and a draft file that loads and decodes exactly."""
 
 import glob
@@ -25,7 +25,8 @@ pytestmark = [
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'train_sharegpt_draft.py')
 TINY = ['--window=128', '--heldout_percent=30', '--heldout_windows=2', '--shard_windows=4',
-        '--feature_budget_s=600', '--train_budget_s=1', '--noevaluate',
+        '--feature_budget_s=600', '--train_budget_s=1', '--noevaluate', '--reply_tokens=12',
+        '--reply_batch=4',
         '--eagle_flags=--batch_size=2,--feature_batch=2,--width_bucket=128,--ttt_steps=2,'
         '--input_norms,--save_every_s=0']
 QUESTION = 'Describe the water cycle in three short sentences for a curious child please.'
@@ -80,6 +81,32 @@ def test_data_stage_writes_masked_pieces_without_the_evaluation_question(run):
   assert 'Tell me about' not in text and 'And more?' not in text
 
 
+def test_replies_stage_writes_smollm2s_own_replies_to_training_first_turns(run):
+  work, log = run
+  assert 'first turns to answer' in log and 'own replies:' in log
+  shards = sorted(glob.glob(os.path.join(work, 'gen_own_*.npz')))
+  assert shards
+  tokenizer = smollm2.load_tokenizer()
+  target = smollm2.load_model()
+  first_tokens_agree, rows = 0, 0
+  for shard in shards:
+    with np.load(shard) as data:
+      tokens, lengths, mask = data['tokens'], data['lengths'], data['loss_mask']
+    assert os.path.exists(shard.replace('gen_', 'feat-l2-15-27_'))
+    for row, n, reply in zip(tokens, lengths, mask):
+      prompt = row[:np.argmax(reply)]
+      text = tokenizer.decode(prompt, stop_at_eos=False)
+      assert QUESTION not in text and 'Tell me about' in text  # a training first turn
+      assert 'And more?' not in text
+      assert reply[:n].sum() >= 1 and not reply[n:].any() and reply[len(prompt):n].all()
+      assert reply[:n].sum() <= 12
+      logits = target.definition.forward(target.params, jnp.asarray(prompt[None]))[0, -1]
+      first_tokens_agree += int(np.argmax(logits) == row[len(prompt)])
+      rows += 1
+  # greedy rows (3 batches of 4 in 4) start with the float32 model's argmax, up to bfloat16
+  assert first_tokens_agree >= rows // 2
+
+
 def test_torch_features_are_the_float32_models_within_bfloat16(run):
   work, log = run
   assert 'features and soft labels of gen_sharegpt_zheldout.npz' in log
@@ -120,6 +147,10 @@ def test_training_writes_a_curve_resumes_and_the_draft_decodes_exactly(run, tmp_
   trained, _, metadata = smollm2_draft.read(path)
   assert {'embedding_norm', 'feature_norm', 'reduce', 'fuse'} <= set(trained)
   assert metadata['input_norms'] and metadata['steps'] > steps
+  sources = metadata['data_sources']  # both kinds of training data, counted
+  assert set(sources) == {'sharegpt', 'own_replies'}
+  assert all(c['sequences'] > 0 and c['reply_tokens'] > 0 for c in sources.values())
+  assert metadata['generation_seconds'] > 0
   target = smollm2.load_model()
   draft = smollm2_draft.load_eagle(target, path)
   assert draft.definition.input_norms

@@ -7,9 +7,13 @@
   builtin_prompts   the demo's prompts and the SmolLM2 draft's training and held-out prompts
   grounded_prompts  training requests grounded in passages (standard-library docstrings)
   seqio_tasks       the paper's WMT EnDe and CNN/DailyMail as seqio tasks
+  conversations     Spec-Bench/MT-bench question files, one example per turn
+  sharegpt          ShareGPT V3 for training drafts (the `train` extra)
+  torch_replies     a Llama's own replies in PyTorch bfloat16 (training data for drafts)
 
 `speclm.data.seqio_tasks` (the optional `seqio` extra) is not imported here; import it to
-register the paper's WMT EnDe and CNN/DailyMail tasks.
+register the paper's WMT EnDe and CNN/DailyMail tasks. Nor are `sharegpt` and `torch_replies`
+(PyTorch), which only the training scripts need.
 """
 
 from speclm.data.inputs import Batch

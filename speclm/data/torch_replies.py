@@ -1,0 +1,159 @@
+"""A Llama target's own replies, generated in PyTorch bfloat16 for training drafts (CPU).
+
+Training a draft on the text its target writes teaches it the distribution it meets while
+drafting (docs/drafts.md). `speclm.autoregressive_decode` writes such replies exactly, in
+float32, at 60–130 reply tokens/s on 2 CPU cores; Hugging Face's `generate` in bfloat16 ran at
+240–290 (batch 64–128), most of a step going to its attention for one query and to growing
+its cache. `generate` here runs the same weights (`hf_llama.to_transformers`) with a
+preallocated cache and the attention of one query written as two products, in bfloat16 where
+oneDNN has AVX512-BF16/AMX: 530–590 reply tokens/s on short prompts (docs/drafts.md). Its
+replies are the model's within bfloat16 rounding, which is all a training set needs: the
+draft's features and soft labels are computed afterwards from the text.
+
+Shape letters: B rows, P prompt width, N new tokens, L cache length, H query heads, G key/value
+heads, E head width, D model width.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class _Weights:
+  """The tensors of a transformers `LlamaForCausalLM` (plain Llama layers only) in `dtype`."""
+
+  def __init__(self, hf_model, dtype=torch.bfloat16):
+    self.dtype = dtype
+    config = hf_model.config
+    self.num_heads = config.num_attention_heads
+    self.num_kv_heads = config.num_key_value_heads
+    self.head_dim = config.hidden_size // config.num_attention_heads
+    self.eps = config.rms_norm_eps
+    inner = hf_model.model
+    rotary = inner.rotary_emb
+    if float(getattr(rotary, 'attention_scaling', 1.0)) != 1.0:
+      raise NotImplementedError('generate() supports plain RoPE only.')
+    self.inv_freq = rotary.inv_freq.float()
+    bf16 = lambda w: w.detach().to(dtype)
+    self.layers = []
+    for layer in inner.layers:
+      a, m = layer.self_attn, layer.mlp
+      if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+        raise NotImplementedError('generate() supports Llama layers without biases only.')
+      self.layers.append(dict(
+          qkv=bf16(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])).T.contiguous(),
+          o=bf16(a.o_proj.weight).T.contiguous(),
+          gate_up=bf16(torch.cat([m.gate_proj.weight, m.up_proj.weight])).T.contiguous(),
+          down=bf16(m.down_proj.weight).T.contiguous(),
+          norm1=layer.input_layernorm.weight.detach().float(),
+          norm2=layer.post_attention_layernorm.weight.detach().float()))
+    self.final_norm = inner.norm.weight.detach().float()
+    self.embedding = bf16(inner.embed_tokens.weight)
+    self.head = bf16(hf_model.lm_head.weight).T.contiguous()
+
+
+def _rms_norm(x, scale, eps):
+  dtype, x = x.dtype, x.float()
+  return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale).to(dtype)
+
+
+def _rotate(x, cos, sin):
+  """RoPE in the rotate-half convention (transformers' Llama): x `[B, H, T, E]`, float32."""
+  x = x.float()
+  half = x.shape[-1] // 2
+  return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _forward(w: _Weights, tokens, positions, keys, values, start: int, key_ok):
+  """Logits `[B, T, V]` float32 of `tokens` `[B, T]` at `positions` `[B, T]`, written into
+  the caches `keys` `[layers, B, G, E, L]` (transposed) and `values` `[layers, B, G, L, E]`
+  at slots start … start+T−1; `key_ok` `[B, T, L]` says which cache slots each query attends
+  to.
+
+  The attention's products read the whole cache, masked: oneDNN's batched product copies an
+  operand that is not contiguous, and a slice of the cache is not, so slicing to the filled
+  slots cost more (a copy of the cache per layer and step) than the masked ones."""
+  batch, length = tokens.shape
+  h, g, e = w.num_heads, w.num_kv_heads, w.head_dim
+  angles = positions.float()[..., None] * w.inv_freq  # [B, T, E/2]
+  angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, E]
+  cos, sin = angles.cos(), angles.sin()
+  bias = torch.zeros(key_ok.shape, dtype=torch.float32).masked_fill(~key_ok, float('-inf'))
+  bias = bias[:, None].repeat(1, 1, h // g, 1)  # [B, 1, (H/G)·T, S], as the queries below
+  x = w.embedding[tokens]
+  end = start + length
+  for i, layer in enumerate(w.layers):
+    qkv = _rms_norm(x, layer['norm1'], w.eps) @ layer['qkv']
+    q, k, v = qkv.split([h * e, g * e, g * e], dim=-1)
+    q = _rotate(q.view(batch, length, h, e).transpose(1, 2), cos, sin)
+    keys[i, :, :, :, start:end] = _rotate(k.view(batch, length, g, e).transpose(1, 2), cos,
+                                          sin).transpose(-1, -2).to(keys.dtype)
+    values[i, :, :, start:end] = v.view(batch, length, g, e).transpose(1, 2)
+    # The query heads that share a key/value head as rows of one product (no copy of the cache).
+    q = q.reshape(batch, g, h // g * length, e)
+    scores = (q.to(keys.dtype) @ keys[i]).float() * e**-0.5 + bias
+    attended = torch.softmax(scores, dim=-1).to(values.dtype) @ values[i]
+    attended = attended.view(batch, h, length, e).transpose(1, 2).reshape(batch, length, h * e)
+    x = x + attended.to(w.dtype) @ layer['o']
+    gate, up = (_rms_norm(x, layer['norm2'], w.eps) @ layer['gate_up']).chunk(2, dim=-1)
+    x = x + (torch.nn.functional.silu(gate) * up) @ layer['down']
+  return (_rms_norm(x, w.final_norm, w.eps) @ w.head).float()
+
+
+def generate(hf_model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             end_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
+             threads: int | None = None, dtype=torch.bfloat16) -> list[list[int]]:
+  """Each prompt's reply (token ids, ending with its end token if one came), batched.
+
+  hf_model: a transformers `LlamaForCausalLM` (e.g. `hf_llama.to_transformers(target)`).
+  prompts: token ids, left-padded together (sort them by length first for little padding).
+  temperature: 0 for greedy replies, else samples at that temperature.
+  dtype: of the weights, activations and cache (float32 for tests against transformers).
+  """
+  if threads:
+    torch.set_num_threads(threads)
+  w = _Weights(hf_model, dtype)
+  batch, width = len(prompts), max(len(p) for p in prompts)
+  pad = torch.tensor([width - len(p) for p in prompts])
+  tokens = torch.zeros((batch, width), dtype=torch.long)
+  for row, prompt in enumerate(prompts):
+    tokens[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+  capacity = width + max_new_tokens
+  shape = (len(w.layers), batch, w.num_kv_heads, capacity, w.head_dim)
+  keys = torch.zeros(shape[:3] + shape[4:] + shape[3:4], dtype=dtype)  # [layers, B, G, E, L]
+  values = torch.zeros(shape, dtype=dtype)
+  slots = torch.arange(capacity)
+  real = slots[None, :] >= pad[:, None]  # [B, L]: not left padding
+  causal = slots[:width, None] >= slots[None, :]  # [P, L]
+  generator = torch.Generator().manual_seed(seed)
+  end = torch.tensor(sorted(set(int(i) for i in end_ids)), dtype=torch.long)
+  replies = torch.zeros((batch, max_new_tokens), dtype=torch.long)
+  done = torch.zeros(batch, dtype=torch.bool)
+  with torch.inference_mode():
+    positions = (slots[None, :width] - pad[:, None]).clamp(min=0)
+    # A padding query attends to itself only (a row of no keys would be NaN, and its NaN
+    # values would reach the real queries through zero weights).
+    key_ok = (causal[None] & real[:, None]) | (slots[:width, None] == slots[None, :])[None]
+    logits = _forward(w, tokens, positions, keys, values, 0, key_ok)[:, -1]
+    for step in range(max_new_tokens):
+      if temperature > 0:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+      else:
+        token = logits.argmax(-1)
+      token = torch.where(done, torch.zeros_like(token), token)
+      replies[:, step] = token
+      done |= torch.isin(token, end)
+      if bool(done.all()) or step + 1 == max_new_tokens:
+        break
+      slot = width + step
+      logits = _forward(w, token[:, None], (slot - pad)[:, None], keys, values, slot,
+                        (real & (slots <= slot)[None])[:, None])[:, -1]
+  out, end_set = [], set(end.tolist())
+  for row in replies.tolist():
+    stop = next((i + 1 for i, t in enumerate(row) if t in end_set), len(row))
+    out.append(row[:stop])
+  return out
+
