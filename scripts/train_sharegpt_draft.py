@@ -26,9 +26,9 @@ Stages (each resumable; `--stage=all` runs them in order):
      see docs/drafts.md), shard by shard until --feature_budget_s.
   4. train: `scripts/train_smollm2_eagle.py --stage=train --train_backend=torch`: EAGLE-3 with
      training-time test on every shard with features (ShareGPT's and the own replies, mixed),
-     its steps in PyTorch bfloat16 (`speclm.models.eagle_torch`), for --train_budget_s (the learning rate decays over the
-     budget), saving its state so a later run continues; held-out acceptance estimates against
-     positions seen go to training_curve-*.jsonl.
+     its steps in PyTorch bfloat16 (`speclm.models.eagle_torch`), for --train_budget_s (the
+     learning rate decays over the budget), saving its state so a later run continues;
+     held-out acceptance estimates against positions seen go to training_curve-*.jsonl.
   5. evaluate: the same script's α on held-out and demo prompts, the model card, the file.
 
 Optionally --own_replies_dir names a further work dir of SmolLM2's own replies (such as

@@ -36,22 +36,22 @@ class _Weights:
     if float(getattr(rotary, 'attention_scaling', 1.0)) != 1.0:
       raise NotImplementedError('generate() supports plain RoPE only.')
     self.inv_freq = rotary.inv_freq.float()
-    bf16 = lambda w: w.detach().to(dtype)
+    cast = lambda w: w.detach().to(dtype)
     self.layers = []
     for layer in inner.layers:
       a, m = layer.self_attn, layer.mlp
       if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
         raise NotImplementedError('generate() supports Llama layers without biases only.')
       self.layers.append(dict(
-          qkv=bf16(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])).T.contiguous(),
-          o=bf16(a.o_proj.weight).T.contiguous(),
-          gate_up=bf16(torch.cat([m.gate_proj.weight, m.up_proj.weight])).T.contiguous(),
-          down=bf16(m.down_proj.weight).T.contiguous(),
+          qkv=cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])).T.contiguous(),
+          o=cast(a.o_proj.weight).T.contiguous(),
+          gate_up=cast(torch.cat([m.gate_proj.weight, m.up_proj.weight])).T.contiguous(),
+          down=cast(m.down_proj.weight).T.contiguous(),
           norm1=layer.input_layernorm.weight.detach().float(),
           norm2=layer.post_attention_layernorm.weight.detach().float()))
     self.final_norm = inner.norm.weight.detach().float()
-    self.embedding = bf16(inner.embed_tokens.weight)
-    self.head = bf16(hf_model.lm_head.weight).T.contiguous()
+    self.embedding = cast(inner.embed_tokens.weight)
+    self.head = cast(hf_model.lm_head.weight).T.contiguous()
 
 
 def _rms_norm(x, scale, eps):
