@@ -145,3 +145,26 @@ def test_first_layers_is_the_model_stopped_early(model):
                          jax.jit(cut.definition.forward)(cut.params, tokens))
   with pytest.raises(ValueError, match='1..2'):
     llama.first_layers(model, 3)
+
+
+@pytest.mark.parametrize('family', ['llama', 'gemma3'])
+def test_a_prompt_attends_in_query_blocks_as_over_the_whole_cache(family, monkeypatch):
+  """`prefill` attends among the prompt's own tokens in blocks of queries
+  (`llama.PROMPT_QUERY_BLOCK`, 3 here: four blocks for 11 tokens); logits and cache equal
+  one K-token `extend` into an empty cache, which attends over every slot, for padded rows
+  and, in Gemma 3, for a sliding window (4) shorter than the prompt."""
+  monkeypatch.setattr(llama, 'PROMPT_QUERY_BLOCK', 3)
+  extra = dict(sliding_window=4, layer_types=('sliding', 'full')) if family == 'gemma3' else {}
+  model = llama.random_model(vocab_size=40, embed_dim=32, num_layers=2, seed=5, num_heads=4,
+                             num_kv_heads=2, family=family, **extra)
+  d, params = model.definition, model.params
+  prompts = np.random.RandomState(1).randint(0, 40, size=(2, 11)).astype(np.int32)
+  lengths = jnp.array([11, 6])
+  blocked, cache = jax.jit(lambda *a: d.prefill(*a))(params, prompts, lengths,
+                                                   d.init_cache(2, 16))
+  whole, whole_cache = jax.jit(lambda *a: d.extend(*a))(params, prompts, d.init_cache(2, 16))
+  for b, n in enumerate(np.asarray(lengths)):
+    np.testing.assert_allclose(blocked[b], whole[b, n - 1], **TOL)
+    np.testing.assert_allclose(cache.keys[:, b, :, :n], whole_cache.keys[:, b, :, :n], **TOL)
+    np.testing.assert_allclose(cache.values[:, b, :, :n], whole_cache.values[:, b, :, :n], **TOL)
+  np.testing.assert_array_equal(cache.lengths, lengths)

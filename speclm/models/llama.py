@@ -237,6 +237,49 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+# Queries per block in a prompt's attention (`_prompt_attention`).
+PROMPT_QUERY_BLOCK = 128
+
+
+def _attend(c: LlamaConfig, q, keys, values, visible):
+  """Softmax attention in `c.dtype` (scores in float32): q `[B, K, Nkv, G, H]` over keys and
+  values `[B, Nkv, L, H]` where `visible` `[B or 1, K, L]` -> `[B, K, Nkv, G, H]`."""
+  dt = jnp.dtype(c.dtype)
+  scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
+                      preferred_element_type=jnp.float32) * scale
+  scores = softcap(scores, c.attn_logit_softcap)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
+                    preferred_element_type=jnp.float32).astype(dt)
+
+
+def _prompt_attention(c: LlamaConfig, q, keys, values, window: int | None):
+  """Causal attention of K prompt tokens among themselves, the cache empty before them: q
+  `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
+
+  The queries go in blocks of `PROMPT_QUERY_BLOCK`, each over the keys up to its own last
+  position (and no further back than a sliding `window` reaches), instead of every query over
+  the whole cache: about half the products of a long prompt, none over the cache's empty
+  slots, and blocks of scores small enough to stay in the CPU's caches. Masked keys weigh
+  exactly zero either way; only the order of float32 sums can differ from `_attend` over the
+  cache."""
+  length = q.shape[1]
+  blocks = []
+  for start in range(0, length, PROMPT_QUERY_BLOCK):
+    stop = min(start + PROMPT_QUERY_BLOCK, length)
+    first = 0 if window is None else max(0, start - window + 1)
+    query_positions = np.arange(start, stop)[:, None]
+    key_positions = np.arange(first, stop)[None, :]
+    visible = key_positions <= query_positions
+    if window is not None:
+      visible &= key_positions > query_positions - window
+    blocks.append(_attend(c, q[:, start:stop], keys[:, :, first:stop], values[:, :, first:stop],
+                          jnp.asarray(visible)[None]))
+  return jnp.concatenate(blocks, axis=1)
+
+
 class Attention(nn.Module):
   """Grouped-query self-attention over the cache: RoPE, optional QK norms, sliding windows.
 
@@ -247,7 +290,8 @@ class Attention(nn.Module):
   layer: int = 0  # which decoder layer: its RoPE base and whether its window slides
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None):
+  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
+               fresh=False):
     """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x;
     `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain);
     `key_positions` `[B, L]` the position held in each slot (None: the slot's index)."""
@@ -269,26 +313,23 @@ class Attention(nn.Module):
     zero = jnp.zeros((), lengths.dtype)  # index dtypes must agree (also under jax_enable_x64)
     write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
         cache, new.astype(cache.dtype), (zero, start, zero)))
-    keys = write(keys, jnp.swapaxes(k, 1, 2), lengths)  # new entries as [B, Nkv, K, H]
-    values = write(values, jnp.swapaxes(v, 1, 2), lengths)
+    new_keys, new_values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Nkv, K, H]
+    keys = write(keys, new_keys, lengths)
+    values = write(values, new_values, lengths)
 
-    if key_positions is None:
-      key_positions = jnp.arange(keys.shape[2])[None, :]  # [1, L]: a chain, slot = position
-    if visible is None:
-      # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
-      visible = key_positions[:, None, :] <= positions[:, :, None]  # [B, K, L]
-    if c.is_sliding(self.layer):  # and only the last `sliding_window` positions, itself included
-      visible = visible & (key_positions[:, None, :] > positions[:, :, None] - c.sliding_window)
-    groups = n // nkv
-    q = q.reshape(q.shape[0], q.shape[1], nkv, groups, h)
-    scale = (c.query_pre_attn_scalar or h) ** -0.5
-    scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
-                        preferred_element_type=jnp.float32) * scale
-    scores = softcap(scores, c.attn_logit_softcap)
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
-                     preferred_element_type=jnp.float32).astype(dt)
+    q = q.reshape(q.shape[0], q.shape[1], nkv, n // nkv, h)
+    window = c.sliding_window if c.is_sliding(self.layer) else None
+    if fresh:  # a prompt into an empty cache: causal among its own K entries, by query blocks
+      out = _prompt_attention(c, q, new_keys, new_values, window)
+    else:
+      if key_positions is None:
+        key_positions = jnp.arange(keys.shape[2])[None, :]  # [1, L]: a chain, slot = position
+      if visible is None:
+        # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
+        visible = key_positions[:, None, :] <= positions[:, :, None]  # [B, K, L]
+      if window is not None:  # and only the last `window` positions, itself included
+        visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
+      out = _attend(c, q, keys, values, visible)
     out = Kernel((n, h, d), 'BKF,FD->BKD', n * h, pd, dt, merge_input_dims=2, name='out')(
         out.reshape(out.shape[0], out.shape[1], n, h))
     return out, keys, values
@@ -323,12 +364,14 @@ class DecoderLayer(nn.Module):
   layer: int = 0
 
   @nn.compact
-  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None):
+  def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
+               fresh=False):
     c = self.config
     norm = lambda name: layers.RMSNorm(c.norm_eps, jnp.dtype(c.param_dtype), c.norm_offset,
                                        name=name)
     attn_out, keys, values = Attention(c, self.layer, name='attention')(
-        norm('pre_attention_norm')(x), positions, keys, values, lengths, visible, key_positions)
+        norm('pre_attention_norm')(x), positions, keys, values, lengths, visible, key_positions,
+        fresh)
     if c.post_norms:  # Gemma: each block's output normalized before the residual sum
       attn_out = norm('post_attention_norm')(attn_out)
     x = x + attn_out
@@ -354,13 +397,15 @@ class LlamaModule(nn.Module):
       self.lm_head = Kernel((c.embed_dim, c.vocab_size), 'BKD,DV->BKV', c.embed_dim, pd,
                             jnp.float32)
 
-  def __call__(self, tokens, cache: KVCache, tree=None, tap_layers: tuple[int, ...] = ()):
+  def __call__(self, tokens, cache: KVCache, tree=None, tap_layers: tuple[int, ...] = (),
+               fresh: bool = False):
     """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache).
 
     With a `speclm.token_trees.TreeLayout` `tree` the K tokens are a token tree: node k at
     position lengths + depth, attending to the committed prefix and its ancestors. With
     `tap_layers`, a third result: the hidden states after each of those decoder layers,
-    concatenated `[B, K, len(tap_layers) · D]`."""
+    concatenated `[B, K, len(tap_layers) · D]`. `fresh` promises an empty cache (every length
+    0, a prompt): attention then runs among the K tokens only (`_prompt_attention`)."""
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
@@ -375,7 +420,7 @@ class LlamaModule(nn.Module):
     new_keys, new_values, taps = [], [], []
     for i, layer in enumerate(self.layers):
       x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible,
-                      key_positions)
+                      key_positions, fresh)
       new_keys.append(k)
       new_values.append(v)
       taps.append(x)
@@ -467,13 +512,14 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
                          f' {self.config.num_layers - 1}.')
     return dataclasses.replace(self, feature_layers=layers)
 
-  def _features(self, params, tokens, cache):
-    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache)."""
+  def _features(self, params, tokens, cache, fresh: bool = False):
+    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache); `fresh`: see
+    `LlamaModule.__call__`."""
     if self.feature_layers is None:
-      hidden, cache = self.module.apply({'params': params}, tokens, cache)
+      hidden, cache = self.module.apply({'params': params}, tokens, cache, fresh=fresh)
       return hidden, hidden, cache
     hidden, cache, taps = self.module.apply({'params': params}, tokens, cache, None,
-                                            self.feature_layers)
+                                            self.feature_layers, fresh)
     return hidden, taps, cache
 
   def prefill(self, params, inputs, input_lengths, cache):
@@ -498,7 +544,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     `speclm.protocol.FeatureSource.prefill_with_features`.
     """
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    hidden, features, cache = self._features(params, inputs, cache)
+    hidden, features, cache = self._features(params, inputs, cache, fresh=True)
     last = jnp.take_along_axis(hidden, (input_lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = self.module.apply({'params': params}, last, method=LlamaModule.logits)[:, 0]
     return logits, features, cache.replace(lengths=input_lengths.astype(jnp.int32))
