@@ -147,14 +147,17 @@ def test_first_layers_is_the_model_stopped_early(model):
     llama.first_layers(model, 3)
 
 
-@pytest.mark.parametrize('family', ['llama', 'gemma3'])
-def test_a_prompt_attends_in_query_blocks_as_over_the_whole_cache(family, monkeypatch):
-  """`prefill` attends among the prompt's own tokens in blocks of queries
-  (`llama.PROMPT_QUERY_BLOCK`, 3 here: four blocks for 11 tokens); logits and cache equal
-  one K-token `extend` into an empty cache, which attends over every slot, for padded rows
-  and, in Gemma 3, for a sliding window (4) shorter than the prompt."""
-  monkeypatch.setattr(llama, 'PROMPT_QUERY_BLOCK', 3)
-  extra = dict(sliding_window=4, layer_types=('sliding', 'full')) if family == 'gemma3' else {}
+@pytest.mark.parametrize('family', ['llama', 'gemma2', 'gemma3'])
+def test_a_prompt_attends_in_tiles_as_over_the_whole_cache(family, monkeypatch):
+  """`prefill` attends among the prompt's own tokens in tiles (at most
+  `llama.PROMPT_BLOCK`, 3 here: four tiles of 3 for 11 tokens, one padded); logits and cache
+  equal one K-token `extend` into an empty cache, which attends over every slot, for padded
+  rows, soft-capped scores (Gemma 2) and a sliding window (4, Gemma 2 and 3) shorter than the
+  prompt, which skips whole key tiles."""
+  monkeypatch.setattr(llama, 'PROMPT_BLOCK', 3)
+  extra = dict(sliding_window=4, layer_types=('sliding', 'full')) if family != 'llama' else {}
+  if family == 'gemma2':
+    extra['attn_logit_softcap'] = 0.5  # small enough to change the scores
   model = llama.random_model(vocab_size=40, embed_dim=32, num_layers=2, seed=5, num_heads=4,
                              num_kv_heads=2, family=family, **extra)
   d, params = model.definition, model.params

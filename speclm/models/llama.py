@@ -237,8 +237,8 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-# Queries per block in a prompt's attention (`_prompt_attention`).
-PROMPT_QUERY_BLOCK = 128
+# The most queries (and keys) per tile of a prompt's attention (`_prompt_attention`).
+PROMPT_BLOCK = 256
 
 
 def _attend(c: LlamaConfig, q, keys, values, visible):
@@ -259,25 +259,60 @@ def _prompt_attention(c: LlamaConfig, q, keys, values, window: int | None):
   """Causal attention of K prompt tokens among themselves, the cache empty before them: q
   `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
 
-  The queries go in blocks of `PROMPT_QUERY_BLOCK`, each over the keys up to its own last
-  position (and no further back than a sliding `window` reaches), instead of every query over
-  the whole cache: about half the products of a long prompt, none over the cache's empty
-  slots, and blocks of scores small enough to stay in the CPU's caches. Masked keys weigh
-  exactly zero either way; only the order of float32 sums can differ from `_attend` over the
-  cache."""
-  length = q.shape[1]
-  blocks = []
-  for start in range(0, length, PROMPT_QUERY_BLOCK):
-    stop = min(start + PROMPT_QUERY_BLOCK, length)
-    first = 0 if window is None else max(0, start - window + 1)
-    query_positions = np.arange(start, stop)[:, None]
-    key_positions = np.arange(first, stop)[None, :]
-    visible = key_positions <= query_positions
-    if window is not None:
-      visible &= key_positions > query_positions - window
-    blocks.append(_attend(c, q[:, start:stop], keys[:, :, first:stop], values[:, :, first:stop],
-                          jnp.asarray(visible)[None]))
-  return jnp.concatenate(blocks, axis=1)
+  Tiled as flash attention is: the K positions split into n tiles of at most `PROMPT_BLOCK`;
+  query tile i (a `lax.scan`) visits key tiles up to its own (a `lax.fori_loop`; none that a
+  sliding `window` leaves wholly behind), keeping a running maximum, softmax denominator and
+  weighted sum in float32. Against every query over the whole cache (`_attend`) that skips
+  the cache's empty slots and the masked half of the causal square, keeps each tile's scores
+  in the CPU's caches, and compiles to one loop whatever K is. Masked keys weigh exactly zero
+  either way; the sums run in another order, and the weights are not rounded to `c.dtype`
+  before the product with the values."""
+  batch, length, nkv, groups, h = q.shape
+  tiles = -(-length // PROMPT_BLOCK)
+  tile = -(-length // tiles)  # tiles of equal size, padding fewer than `tiles` positions
+  pad = tiles * tile - length
+  dt = jnp.dtype(c.dtype)
+  scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+  lowest = jnp.finfo(jnp.float32).min
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+  q_tiles = jnp.moveaxis(q.reshape(batch, tiles, tile, nkv, groups, h), 1, 0)
+  keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+  values = jnp.pad(values, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+
+  def query_tile(_, inputs):
+    i, q_tile = inputs  # q_tile [B, tile, Nkv, G, H]
+    query_positions = i * tile + jnp.arange(tile)
+
+    def key_tile(j, carry):
+      top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
+      k = jax.lax.dynamic_slice_in_dim(keys, j * tile, tile, axis=2)
+      v = jax.lax.dynamic_slice_in_dim(values, j * tile, tile, axis=2)
+      key_positions = j * tile + jnp.arange(tile)
+      scores = jnp.einsum('BKNGH,BNLH->BNGKL', q_tile, k,
+                          preferred_element_type=jnp.float32) * scale
+      scores = softcap(scores, c.attn_logit_softcap)
+      visible = key_positions[None, :] <= query_positions[:, None]
+      if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+      scores = jnp.where(visible, scores, lowest)
+      new_top = jnp.maximum(top, scores.max(axis=-1))
+      weights = jnp.exp(scores - new_top[..., None])
+      rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
+      total = total * rescale + weights.sum(axis=-1)
+      weighted = weighted * rescale[..., None] + jnp.einsum(
+          'BNGKL,BNLH->BNGKH', weights, v, preferred_element_type=jnp.float32)
+      return new_top, total, weighted
+
+    first = 0 if window is None else jnp.maximum(0, i * tile - window + 1) // tile
+    start = (jnp.full((batch, nkv, groups, tile), lowest), jnp.zeros((batch, nkv, groups, tile)),
+             jnp.zeros((batch, nkv, groups, tile, h)))
+    # Every query sees its own position, in tile i: its total is positive at the end.
+    _, total, weighted = jax.lax.fori_loop(first, i + 1, key_tile, start)
+    out = weighted / total[..., None]
+    return None, jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B, tile, Nkv, G, H]
+
+  _, out = jax.lax.scan(query_tile, None, (jnp.arange(tiles), q_tiles))
+  return jnp.moveaxis(out, 0, 1).reshape(batch, tiles * tile, nkv, groups, h)[:, :length]
 
 
 class Attention(nn.Module):
@@ -294,7 +329,9 @@ class Attention(nn.Module):
                fresh=False):
     """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x;
     `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain);
-    `key_positions` `[B, L]` the position held in each slot (None: the slot's index)."""
+    `key_positions` `[B, L]` the position held in each slot (None: the slot's index);
+    `fresh`: the cache is empty before x, which then attends among its own K entries only
+    (`_prompt_attention`)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
