@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from speclm.models import attention
 from speclm.models import llama
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -150,11 +151,11 @@ def test_first_layers_is_the_model_stopped_early(model):
 @pytest.mark.parametrize('family', ['llama', 'gemma2', 'gemma3'])
 def test_a_prompt_attends_in_tiles_as_over_the_whole_cache(family, monkeypatch):
   """`prefill` attends among the prompt's own tokens in tiles (at most
-  `llama.PROMPT_BLOCK`, 3 here: four tiles of 3 for 11 tokens, one padded); logits and cache
+  `attention.PROMPT_BLOCK`, 3 here: four tiles of 3 for 11 tokens, one padded); logits and cache
   equal one K-token `extend` into an empty cache, which attends over every slot, for padded
   rows, soft-capped scores (Gemma 2) and a sliding window (4, Gemma 2 and 3) shorter than the
   prompt, which skips whole key tiles."""
-  monkeypatch.setattr(llama, 'PROMPT_BLOCK', 3)
+  monkeypatch.setattr(attention, 'PROMPT_BLOCK', 3)
   extra = dict(sliding_window=4, layer_types=('sliding', 'full')) if family != 'llama' else {}
   if family == 'gemma2':
     extra['attn_logit_softcap'] = 0.5  # small enough to change the scores

@@ -58,6 +58,7 @@ from flax import struct
 
 from speclm import protocol
 from speclm import trees
+from speclm.models import attention
 from speclm.models import layers
 # The configuration lives in its own module; the names are this module's as well.
 from speclm.models.llama_config import FAMILIES  # pylint: disable=unused-import
@@ -229,92 +230,6 @@ def _kernel_serves(x, input_dims: int) -> bool:
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
 
 
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap·tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is None.
-
-  `x` is any shape (scores `[B, N, G, K, L]`, logits `[B, K, V]`); the result has its shape.
-  """
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-# The most queries (and keys) per tile of a prompt's attention (`_prompt_attention`).
-PROMPT_BLOCK = 256
-
-
-def _attend(c: LlamaConfig, q, keys, values, visible):
-  """Softmax attention in `c.dtype` (scores in float32): q `[B, K, Nkv, G, H]` over keys and
-  values `[B, Nkv, L, H]` where `visible` `[B or 1, K, L]` -> `[B, K, Nkv, G, H]`."""
-  dt = jnp.dtype(c.dtype)
-  scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
-                      preferred_element_type=jnp.float32) * scale
-  scores = softcap(scores, c.attn_logit_softcap)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1).astype(dt)
-  return jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
-                    preferred_element_type=jnp.float32).astype(dt)
-
-
-def _prompt_attention(c: LlamaConfig, q, keys, values, window: int | None):
-  """Causal attention of K prompt tokens among themselves, the cache empty before them: q
-  `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
-
-  Tiled as flash attention is: the K positions split into n tiles of at most `PROMPT_BLOCK`;
-  query tile i (a `lax.scan`) visits key tiles up to its own (a `lax.fori_loop`; none that a
-  sliding `window` leaves wholly behind), keeping a running maximum, softmax denominator and
-  weighted sum in float32. Against every query over the whole cache (`_attend`) that skips
-  the cache's empty slots and the masked half of the causal square, keeps each tile's scores
-  in the CPU's caches, and compiles to one loop whatever K is. Masked keys weigh exactly zero
-  either way; the sums run in another order, and the weights are not rounded to `c.dtype`
-  before the product with the values."""
-  batch, length, nkv, groups, h = q.shape
-  tiles = -(-length // PROMPT_BLOCK)
-  tile = -(-length // tiles)  # tiles of equal size, padding fewer than `tiles` positions
-  pad = tiles * tile - length
-  dt = jnp.dtype(c.dtype)
-  scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-  lowest = jnp.finfo(jnp.float32).min
-  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-  q_tiles = jnp.moveaxis(q.reshape(batch, tiles, tile, nkv, groups, h), 1, 0)
-  keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
-  values = jnp.pad(values, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
-
-  def query_tile(_, inputs):
-    i, q_tile = inputs  # q_tile [B, tile, Nkv, G, H]
-    query_positions = i * tile + jnp.arange(tile)
-
-    def key_tile(j, carry):
-      top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
-      k = jax.lax.dynamic_slice_in_dim(keys, j * tile, tile, axis=2)
-      v = jax.lax.dynamic_slice_in_dim(values, j * tile, tile, axis=2)
-      key_positions = j * tile + jnp.arange(tile)
-      scores = jnp.einsum('BKNGH,BNLH->BNGKL', q_tile, k,
-                          preferred_element_type=jnp.float32) * scale
-      scores = softcap(scores, c.attn_logit_softcap)
-      visible = key_positions[None, :] <= query_positions[:, None]
-      if window is not None:
-        visible &= key_positions[None, :] > query_positions[:, None] - window
-      scores = jnp.where(visible, scores, lowest)
-      new_top = jnp.maximum(top, scores.max(axis=-1))
-      weights = jnp.exp(scores - new_top[..., None])
-      rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
-      total = total * rescale + weights.sum(axis=-1)
-      weighted = weighted * rescale[..., None] + jnp.einsum(
-          'BNGKL,BNLH->BNGKH', weights, v, preferred_element_type=jnp.float32)
-      return new_top, total, weighted
-
-    first = 0 if window is None else jnp.maximum(0, i * tile - window + 1) // tile
-    start = (jnp.full((batch, nkv, groups, tile), lowest), jnp.zeros((batch, nkv, groups, tile)),
-             jnp.zeros((batch, nkv, groups, tile, h)))
-    # Every query sees its own position, in tile i: its total is positive at the end.
-    _, total, weighted = jax.lax.fori_loop(first, i + 1, key_tile, start)
-    out = weighted / total[..., None]
-    return None, jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B, tile, Nkv, G, H]
-
-  _, out = jax.lax.scan(query_tile, None, (jnp.arange(tiles), q_tiles))
-  return jnp.moveaxis(out, 0, 1).reshape(batch, tiles * tile, nkv, groups, h)[:, :length]
-
-
 class Attention(nn.Module):
   """Grouped-query self-attention over the cache: RoPE, optional QK norms, sliding windows.
 
@@ -331,7 +246,7 @@ class Attention(nn.Module):
     `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain);
     `key_positions` `[B, L]` the position held in each slot (None: the slot's index);
     `fresh`: the cache is empty before x, which then attends among its own K entries only
-    (`_prompt_attention`)."""
+    (`speclm.models.attention.prompt_attention`)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -356,8 +271,10 @@ class Attention(nn.Module):
 
     q = q.reshape(q.shape[0], q.shape[1], nkv, n // nkv, h)
     window = c.sliding_window if c.is_sliding(self.layer) else None
-    if fresh:  # a prompt into an empty cache: causal among its own K entries, by query blocks
-      out = _prompt_attention(c, q, new_keys, new_values, window)
+    scale = (c.query_pre_attn_scalar or h) ** -0.5
+    if fresh:  # a prompt into an empty cache: causal among its own K entries, in tiles
+      out = attention.prompt_attention(q, new_keys, new_values, scale=scale,
+                                       cap=c.attn_logit_softcap, window=window, dtype=dt)
     else:
       if key_positions is None:
         key_positions = jnp.arange(keys.shape[2])[None, :]  # [1, L]: a chain, slot = position
@@ -366,7 +283,8 @@ class Attention(nn.Module):
         visible = key_positions[:, None, :] <= positions[:, :, None]  # [B, K, L]
       if window is not None:  # and only the last `window` positions, itself included
         visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
-      out = _attend(c, q, keys, values, visible)
+      out = attention.attend(q, keys, values, visible, scale=scale, cap=c.attn_logit_softcap,
+                             dtype=dt)
     out = Kernel((n, h, d), 'BKF,FD->BKD', n * h, pd, dt, merge_input_dims=2, name='out')(
         out.reshape(out.shape[0], out.shape[1], n, h))
     return out, keys, values
@@ -442,7 +360,7 @@ class LlamaModule(nn.Module):
     position lengths + depth, attending to the committed prefix and its ancestors. With
     `tap_layers`, a third result: the hidden states after each of those decoder layers,
     concatenated `[B, K, len(tap_layers) · D]`. `fresh` promises an empty cache (every length
-    0, a prompt): attention then runs among the K tokens only (`_prompt_attention`)."""
+    0, a prompt): attention then runs among the K tokens only (`speclm.models.attention.prompt_attention`)."""
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
@@ -480,7 +398,7 @@ class LlamaModule(nn.Module):
       logits = self.embedder.attend(hidden)
     else:
       logits = self.lm_head(hidden)
-    return softcap(logits.astype(jnp.float32), self.config.final_logit_softcap)
+    return attention.softcap(logits.astype(jnp.float32), self.config.final_logit_softcap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,97 @@
+"""Attention for the decoder models: over a cache, and a prompt's causal attention in tiles.
+
+Shape letters as in `speclm.models.llama`: B batch, K queries, L keys, Nkv key/value heads,
+G = N / Nkv query heads per key/value head, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  """cap·tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is None.
+
+  `x` is any shape (scores `[B, N, G, K, L]`, logits `[B, K, V]`); the result has its shape.
+  """
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+# The most queries (and keys) per tile of a prompt's attention (`prompt_attention`).
+PROMPT_BLOCK = 256
+
+
+def attend(q, keys, values, visible, *, scale: float, cap: float | None, dtype):
+  """Softmax attention in `dtype` (scores in float32, times `scale`, soft-capped at `cap`): q
+  `[B, K, Nkv, G, H]` over keys and values `[B, Nkv, L, H]` where `visible` `[B or 1, K, L]`
+  -> `[B, K, Nkv, G, H]`."""
+  dt = jnp.dtype(dtype)
+  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
+                      preferred_element_type=jnp.float32) * scale
+  scores = softcap(scores, cap)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(dt)
+  return jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
+                    preferred_element_type=jnp.float32).astype(dt)
+
+
+def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window: int | None,
+                     dtype):
+  """Causal attention of K prompt tokens among themselves, the cache empty before them: q
+  `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
+
+  Tiled as flash attention is: the K positions split into n tiles of at most `PROMPT_BLOCK`;
+  query tile i (a `lax.scan`) visits key tiles up to its own (a `lax.fori_loop`; none that a
+  sliding `window` leaves wholly behind), keeping a running maximum, softmax denominator and
+  weighted sum in float32. Against every query over the whole cache (`attend`) that skips
+  the cache's empty slots and the masked half of the causal square, keeps each tile's scores
+  in the CPU's caches, and compiles to one loop whatever K is. Masked keys weigh exactly zero
+  either way; the sums run in another order, and the weights are not rounded to `dtype`
+  before the product with the values. `scale`, `cap`, `dtype`: as for `attend`; `window`: a
+  sliding window's length, or None."""
+  batch, length, nkv, groups, h = q.shape
+  tiles = -(-length // PROMPT_BLOCK)
+  tile = -(-length // tiles)  # tiles of equal size, padding fewer than `tiles` positions
+  pad = tiles * tile - length
+  dt = jnp.dtype(dtype)
+  lowest = jnp.finfo(jnp.float32).min
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+  q_tiles = jnp.moveaxis(q.reshape(batch, tiles, tile, nkv, groups, h), 1, 0)
+  keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+  values = jnp.pad(values, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+
+  def query_tile(_, inputs):
+    i, q_tile = inputs  # q_tile [B, tile, Nkv, G, H]
+    query_positions = i * tile + jnp.arange(tile)
+
+    def key_tile(j, carry):
+      top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
+      k = jax.lax.dynamic_slice_in_dim(keys, j * tile, tile, axis=2)
+      v = jax.lax.dynamic_slice_in_dim(values, j * tile, tile, axis=2)
+      key_positions = j * tile + jnp.arange(tile)
+      scores = jnp.einsum('BKNGH,BNLH->BNGKL', q_tile, k,
+                          preferred_element_type=jnp.float32) * scale
+      scores = softcap(scores, cap)
+      visible = key_positions[None, :] <= query_positions[:, None]
+      if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+      scores = jnp.where(visible, scores, lowest)
+      new_top = jnp.maximum(top, scores.max(axis=-1))
+      weights = jnp.exp(scores - new_top[..., None])
+      rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
+      total = total * rescale + weights.sum(axis=-1)
+      weighted = weighted * rescale[..., None] + jnp.einsum(
+          'BNGKL,BNLH->BNGKH', weights, v, preferred_element_type=jnp.float32)
+      return new_top, total, weighted
+
+    first = 0 if window is None else jnp.maximum(0, i * tile - window + 1) // tile
+    start = (jnp.full((batch, nkv, groups, tile), lowest), jnp.zeros((batch, nkv, groups, tile)),
+             jnp.zeros((batch, nkv, groups, tile, h)))
+    # Every query sees its own position, in tile i: its total is positive at the end.
+    _, total, weighted = jax.lax.fori_loop(first, i + 1, key_tile, start)
+    out = weighted / total[..., None]
+    return None, jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B, tile, Nkv, G, H]
+
+  _, out = jax.lax.scan(query_tile, None, (jnp.arange(tiles), q_tiles))
+  return jnp.moveaxis(out, 0, 1).reshape(batch, tiles * tile, nkv, groups, h)[:, :length]
