@@ -449,6 +449,13 @@ def run_spec_bench(models: dict, tok, turns: list[conversations.Turn], started: 
         models['target'], models['draft'], max_gamma=_MAX_GAMMA.value, batch_size=1,
         context_length=context, draft_stopping=_DRAFT_STOPPING.value,
         num_new_tokens=_COST_TOKENS.value, repeats=_COST_REPEATS.value)
+  settings = (f'settings: batch 1, {_MAX_NEW.value} new tokens per turn (end token ignored),'
+              f' γ = {_GAMMA.value}, adaptive γ_max {_MAX_GAMMA.value}, the first'
+              f' {_PER_CATEGORY.value} conversation(s) of each task ({len(turns)} turns; a later'
+              ' turn after the method\'s own reply); draft: the shipped draft' + (
+                  f' behind prompt lookup (min n-gram {_LOOKUP_MIN_NGRAM.value})'
+                  if _LOOKUP_MIN_NGRAM.value else ' alone') + _cut())
+  command = shlex.join(['python', 'scripts/benchmark.py', *sys.argv[1:]])
   results = {}
   for temperature in [float(t) for t in _TEMPERATURES.value]:
     methods = spec_bench_method_list(models, vocabulary, turns, temperature, rule)
@@ -457,17 +464,14 @@ def run_spec_bench(models: dict, tok, turns: list[conversations.Turn], started: 
         tables=spec_bench_methods.category_tables(records, turns),
         checks=(spec_bench_methods.exactness_checks(methods, records) if temperature == 0
                 else {}))
-  settings = (f'settings: batch 1, {_MAX_NEW.value} new tokens per turn (end token ignored),'
-              f' γ = {_GAMMA.value}, adaptive γ_max {_MAX_GAMMA.value}, the first'
-              f' {_PER_CATEGORY.value} conversation(s) of each task ({len(turns)} turns; a later'
-              ' turn after the method\'s own reply); draft: the shipped draft' + (
-                  f' behind prompt lookup (min n-gram {_LOOKUP_MIN_NGRAM.value})'
-                  if _LOOKUP_MIN_NGRAM.value else ' alone') + _cut())
-  text = spec_bench_methods.section(
-      results, command=shlex.join(['python', 'scripts/benchmark.py', *sys.argv[1:]]),
-      settings=settings, seconds=time.time() - started)
-  print(text, flush=True)
-  spec_bench_methods.write_section(text, _OUTPUT.value)
+    # Written after each temperature, so that a later failure loses nothing measured.
+    text = spec_bench_methods.section(results, command=command, settings=settings,
+                                      seconds=time.time() - started)
+    print(text, flush=True)
+    spec_bench_methods.write_section(text, _OUTPUT.value)
+    # Each method compiled its loop per input width; the next temperature compiles its own.
+    # Two temperatures' programs together ran a 2-core, 24 GB machine out of memory.
+    jax.clear_caches()
   if not all(all(r['checks'].values()) for r in results.values()):
     raise SystemExit('A greedy output differs from the baseline\'s: see the checks.')
 
