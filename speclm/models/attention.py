@@ -22,15 +22,20 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 PROMPT_BLOCK = 256
 
 
+def _scores(q, keys, visible, scale: float, cap: float | None):
+  """float32 scores `[B, Nkv, G, K, L]` of q `[B, K, Nkv, G, H]` against keys `[B, Nkv, L, H]`
+  (same dtype): times `scale`, soft-capped at `cap`, the lowest float32 where `visible`
+  (broadcast against the scores) is false."""
+  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys, preferred_element_type=jnp.float32) * scale
+  return jnp.where(visible, softcap(scores, cap), jnp.finfo(jnp.float32).min)
+
+
 def attend(q, keys, values, visible, *, scale: float, cap: float | None, dtype):
   """Softmax attention in `dtype` (scores in float32, times `scale`, soft-capped at `cap`): q
   `[B, K, Nkv, G, H]` over keys and values `[B, Nkv, L, H]` where `visible` `[B or 1, K, L]`
   -> `[B, K, Nkv, G, H]`."""
   dt = jnp.dtype(dtype)
-  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys.astype(dt),
-                      preferred_element_type=jnp.float32) * scale
-  scores = softcap(scores, cap)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  scores = _scores(q, keys.astype(dt), visible[:, None, None], scale, cap)
   weights = jax.nn.softmax(scores, axis=-1).astype(dt)
   return jnp.einsum('BNGKL,BNLH->BKNGH', weights, values.astype(dt),
                     preferred_element_type=jnp.float32).astype(dt)
@@ -70,13 +75,10 @@ def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window
       k = jax.lax.dynamic_slice_in_dim(keys, j * tile, tile, axis=2)
       v = jax.lax.dynamic_slice_in_dim(values, j * tile, tile, axis=2)
       key_positions = j * tile + jnp.arange(tile)
-      scores = jnp.einsum('BKNGH,BNLH->BNGKL', q_tile, k,
-                          preferred_element_type=jnp.float32) * scale
-      scores = softcap(scores, cap)
-      visible = key_positions[None, :] <= query_positions[:, None]
+      visible = key_positions[None, :] <= query_positions[:, None]  # [tile, tile]
       if window is not None:
         visible &= key_positions[None, :] > query_positions[:, None] - window
-      scores = jnp.where(visible, scores, lowest)
+      scores = _scores(q_tile, k, visible, scale, cap)
       new_top = jnp.maximum(top, scores.max(axis=-1))
       weights = jnp.exp(scores - new_top[..., None])
       rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
