@@ -57,6 +57,7 @@ from absl import logging
 from speclm import progress
 from speclm.data import builtin_prompts
 from speclm.data import conversations
+from speclm.data import draft_shards
 from speclm.data import sharegpt
 from speclm.presets import smollm2
 
@@ -226,7 +227,7 @@ def make_replies(work_dir: str) -> None:
     pieces = [(np.asarray(p + r, np.int32), np.asarray([False] * len(p) + [True] * len(r)))
               for p, r in zip(batch, replies)]
     _save_shard(path, pieces)
-    _add_generation_seconds(work_dir, time.time() - began)
+    draft_shards.add_generation_seconds(work_dir, time.time() - began)
     count = sum(map(len, replies))
     tokens_written += count
     bar.update(len(batch), count)
@@ -237,14 +238,6 @@ def make_replies(work_dir: str) -> None:
   logging.info('own replies: %d reply tokens this run in %.0fs; %d of %d batches written',
                tokens_written, time.time() - start,
                len(glob.glob(os.path.join(work_dir, 'gen_own_*.npz'))), len(batches))
-
-
-def _add_generation_seconds(work_dir: str, seconds: float) -> None:
-  """Adds to generation_seconds.txt, which the model card reports."""
-  path = os.path.join(work_dir, 'generation_seconds.txt')
-  total = float(open(path, encoding='utf-8').read()) if os.path.exists(path) else 0.0
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write(f'{total + seconds:.1f}')
 
 
 def _save_shard(path: str, pieces) -> None:

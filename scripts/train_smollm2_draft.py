@@ -35,6 +35,10 @@ rather than TF32 approximations, then its α was measured on CPU:
       --gen_budget_s=240 --train_budget_s=90 --deadline_s=465 --noevaluate \
       --matmul_precision=highest
   python scripts/train_smollm2_draft.py --work_dir=/tmp/w --stage=evaluate
+
+`--stage=train` also reads the work dir of `scripts/train_sharegpt_draft.py` (ShareGPT pieces
+and SmolLM2's own replies, with the soft labels its features stage writes), leaving out its
+held-out shard; docs/drafts.md compares the two drafts trained there.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from absl import logging
 
 import speclm
 from speclm.data import builtin_prompts
+from speclm.data import draft_shards
 from speclm.data import grounded_prompts
 from speclm.models import llama
 from speclm.presets import smollm2
@@ -180,7 +185,7 @@ def self_written_prompts(target, tok, work_dir: str, count: int) -> list[str]:
         seen.add(text)
         prompts.append(text)
   prompts = prompts[:count]
-  _add_generation_seconds(work_dir, time.time() - start)
+  draft_shards.add_generation_seconds(work_dir, time.time() - start)
   logging.info('the target wrote %d distinct requests in %.1fs, e.g. %r', len(prompts),
                time.time() - start, prompts[:3])
   with open(path, 'w', encoding='utf-8') as f:
@@ -209,7 +214,8 @@ def generate(target, tok, work_dir: str) -> None:
       (f'sampled{r or ""}', speclm.SamplingConfig(temperature=1.0), r)
       for r in range(_SAMPLED_REPLIES.value)]
   for index, batch in enumerate(batches):  # every kind of one batch, then the next batch
-    if index and _GEN_BUDGET.value and generation_seconds(work_dir, 0.0) > _GEN_BUDGET.value:
+    spent = draft_shards.generation_seconds(work_dir, 0.0)
+    if index and _GEN_BUDGET.value and spent > _GEN_BUDGET.value:
       logging.info('--gen_budget_s: stopping after %d of %d prompt batches', index, len(batches))
       break
     for kind, sampling, replica in kinds:
@@ -233,7 +239,7 @@ def generate(target, tok, work_dir: str) -> None:
                prompt_lengths=np.array([len(r) for r in rows], np.int32))
       os.replace(tmp, shard)
       seconds = time.time() - start
-      _add_generation_seconds(work_dir, seconds)
+      draft_shards.add_generation_seconds(work_dir, seconds)
       logging.info('generated %s batch %d/%d in %.1fs (%d reply tokens)', kind, index + 1,
                    len(batches), seconds, int(sum(map(len, replies))))
 
@@ -276,26 +282,20 @@ def _top_k_probs(target, params, tokens, k: int):
   return jax.lax.top_k(probs, k)
 
 
-def _add_generation_seconds(work_dir: str, seconds: float) -> None:
-  path = os.path.join(work_dir, 'generation_seconds.txt')
-  total = float(open(path).read()) if os.path.exists(path) else 0.0
-  with open(path, 'w') as f:
-    f.write(f'{total + seconds:.1f}')
-
-
-def generation_seconds(work_dir: str, default: float = float('nan')) -> float:
-  path = os.path.join(work_dir, 'generation_seconds.txt')
-  return float(open(path).read()) if os.path.exists(path) else default
-
-
 def load_data(work_dir: str):
-  """(token sequences, reply masks, soft labels): a mask is true on a sequence's reply tokens,
-  those after its prompt, or those a shard's `loss_mask` marks (conversations of several
-  turns, scripts/train_sharegpt_draft.py)."""
+  """(token sequences, reply masks, soft labels, the shards read): a mask is true on a
+  sequence's reply tokens, those after its prompt, or those a shard's `loss_mask` marks
+  (conversations of several turns, scripts/train_sharegpt_draft.py). Held-out shards
+  (`draft_shards.is_heldout`) are left out."""
   shards = sorted(glob.glob(os.path.join(work_dir, 'gen_*.npz')))
+  heldout = [s for s in shards if draft_shards.is_heldout(s)]
+  if heldout:
+    logging.info('leaving out %d held-out shard(s): %s', len(heldout),
+                 ', '.join(os.path.basename(s) for s in heldout))
+  shards = [s for s in shards if s not in heldout]
   if not shards:
     raise FileNotFoundError(f'No generated data in {work_dir}; run --stage=generate first.')
-  seqs, replies, soft = [], [], []
+  seqs, replies, soft, read = [], [], [], []
   for shard in shards:
     labels = shard.replace('gen_', 'label_')
     if not os.path.exists(labels):
@@ -304,6 +304,7 @@ def load_data(work_dir: str):
                      os.path.basename(shard))
         continue
       raise FileNotFoundError(f'{labels} is missing; run --stage=label first.')
+    read.append(shard)
     with np.load(shard) as data, np.load(labels) as soft_labels:
       masks = (data['loss_mask'] if 'loss_mask' in data else
                np.arange(data['tokens'].shape[1])[None, :] >= data['prompt_lengths'][:, None])
@@ -312,7 +313,7 @@ def load_data(work_dir: str):
         seqs.append(row[:n])
         replies.append(reply[:n].astype(bool))
         soft.append((probs[:n], ids[:n]))
-  return seqs, replies, soft
+  return seqs, replies, soft, read
 
 
 def choose_subset(seqs, replies, size: int, eos_id: int) -> np.ndarray:
@@ -514,10 +515,7 @@ def model_card(m: dict, file_bytes: int) -> str:
       ('vocabulary', f"SmolLM2's; the head covers {m['subset_size']} tokens (q = 0 on the"
                      " rest), embeddings borrowed from the target at load time"),
       ('target', m['target']),
-      ('data', f"SmolLM2's replies to {m['training_prompts']} built-in training"
-               f" prompts{self_written}, once greedy and {_times(m.get('sampled_replies', 1))}"
-               f" sampled at temperature 1, up to {m['max_new_tokens']} tokens each:"
-               f" {m['sequences']:,} sequences, {m['reply_tokens_per_epoch']:,} reply tokens"),
+      ('data', _data(m, self_written)),
       ('training', training),
       ('seed', m['seed']),
       ('recipe', 'the commands in the docstring of `scripts/train_smollm2_draft.py`'),
@@ -554,6 +552,18 @@ temperature 0 on the held-out prompts is at least the figure above minus 0.05.
 {json.dumps(m, indent=2, sort_keys=True)}
 ```
 """
+
+
+def _data(m: dict, self_written: str) -> str:
+  """The model card's data line: the work dir's sources where the run recorded them (a run on
+  ShareGPT shards), else the prompts of --stage=generate."""
+  if set(m.get('data_sources', {})) - {'generated'}:
+    return (f"{draft_shards.describe(m['data_sources'])}: {m['sequences']:,} sequences,"
+            f" {m['reply_tokens_per_epoch']:,} reply tokens")
+  return (f"SmolLM2's replies to {m['training_prompts']} built-in training prompts{self_written},"
+          f" once greedy and {_times(m.get('sampled_replies', 1))} sampled at temperature 1, up"
+          f" to {m['max_new_tokens']} tokens each: {m['sequences']:,} sequences,"
+          f" {m['reply_tokens_per_epoch']:,} reply tokens")
 
 
 def _times(n: int) -> str:
@@ -612,9 +622,12 @@ def main(argv):
     label(target, _WORK_DIR.value)
   if _STAGE.value == 'label':
     return
-  gen_seconds = generation_seconds(_WORK_DIR.value)
-  seqs, replies, soft = load_data(_WORK_DIR.value)
-  subset_ids = choose_subset(seqs, replies, _SUBSET.value, tok.eos_id)
+  gen_seconds = draft_shards.generation_seconds(_WORK_DIR.value)
+  seqs, replies, soft, shards = load_data(_WORK_DIR.value)
+  if _INIT_FROM.value:  # a continued draft keeps the token subset its head was trained on
+    subset_ids = smollm2_draft.read(_INIT_FROM.value)[1]
+  else:
+    subset_ids = choose_subset(seqs, replies, _SUBSET.value, tok.eos_id)
   layers = [int(x) for x in _INIT_LAYERS.value]
   trained, train_info = train(target, seqs, replies, soft, subset_ids, layers)
   self_prompts_path = os.path.join(_WORK_DIR.value, 'self_prompts.json')
@@ -627,8 +640,9 @@ def main(argv):
       training_prompts=_NUM_PROMPTS.value, max_new_tokens=_MAX_NEW.value,
       sequences=len(seqs), learning_rate=_LR.value, self_prompts=self_prompts,
       sampled_replies=_SAMPLED_REPLIES.value, hardware=_hardware(),
-      label_top_k=_TOP_K.value, soft_weight=_SOFT_WEIGHT.value,
-      generation_seconds=round(gen_seconds, 1), **train_info)
+      label_top_k=int(soft[0][0].shape[-1]), soft_weight=_SOFT_WEIGHT.value,
+      generation_seconds=round(gen_seconds, 1), data_sources=draft_shards.count_sources(shards),
+      **train_info)
   if not _EVALUATE.value:  # the draft file only; --stage=evaluate adds α and the card
     write(trained, subset_ids, metadata, card=False)
     return

@@ -62,6 +62,7 @@ from absl import logging
 
 import speclm
 from speclm.data import builtin_prompts
+from speclm.data import draft_shards
 from speclm.models import eagle
 from speclm.presets import smollm2
 from speclm.presets import smollm2_draft
@@ -640,44 +641,20 @@ def _loss(m: dict) -> str:
 
 
 def data_sources(layers) -> dict[str, dict[str, int]]:
-  """Training sequences and reply tokens by source, over the training shards with features:
-  'sharegpt' (pieces of ShareGPT conversations), 'own_replies' (SmolLM2's replies to their
-  first turns) and 'generated' (`scripts/train_smollm2_draft.py --stage=generate`)."""
-  sources: dict[str, dict[str, int]] = {}
+  """Training sequences and reply tokens by source (`speclm.data.draft_shards`), over the
+  training shards with features."""
   shards = _shards('gen_*.npz')
-  for shard in shards[:len(shards) - _HELDOUT_SHARDS.value]:
-    if not os.path.exists(feature_file(shard, layers)):
-      continue
-    name = os.path.basename(shard)
-    kind = ('sharegpt' if name.startswith('gen_sharegpt_') else
-            'own_replies' if name.startswith('gen_own_') else 'generated')
-    with np.load(shard) as data:
-      lengths = data['lengths']
-      replies = (data['loss_mask'].sum() if 'loss_mask' in data else
-                 (lengths - data['prompt_lengths']).sum())
-    counts = sources.setdefault(kind, dict(sequences=0, reply_tokens=0))
-    counts['sequences'] += len(lengths)
-    counts['reply_tokens'] += int(replies)
-  return sources
+  return draft_shards.count_sources([
+      shard for shard in shards[:len(shards) - _HELDOUT_SHARDS.value]
+      if os.path.exists(feature_file(shard, layers))])
 
 
 def _data(m: dict) -> str:
   """The model card's data line."""
-  described = {
-      'sharegpt': lambda n, r: f'{n:,} pieces of ShareGPT V3 conversations ({r:,} reply tokens;'
-                               ' `scripts/train_sharegpt_draft.py`)',
-      'own_replies': lambda n, r: f"SmolLM2's own replies to {n:,} of their first turns ({r:,}"
-                                  f" tokens, each seen {m.get('own_replies_repeat', 1)}x per"
-                                  ' epoch)',
-      'generated': lambda n, r: f"{n:,} prompts with SmolLM2's replies ({r:,} tokens;"
-                                ' `scripts/train_smollm2_draft.py --stage=generate`: built-in'
-                                ' training prompts, and where asked requests SmolLM2 wrote'
-                                ' itself and requests on passages)'}
   sources = m.get('data_sources') or {
       'generated': dict(sequences=m['sequences'], reply_tokens=m['tokens_per_epoch'])}
-  parts = [described[kind](c['sequences'], c['reply_tokens']) for kind, c in sources.items()]
-  return (f"{'; '.join(parts)}; SmolLM2's features at every position"
-          f" ({m['tokens_per_epoch']:,} tokens per epoch)")
+  return (f"{draft_shards.describe(sources, m.get('own_replies_repeat', 1))}; SmolLM2's"
+          f" features at every position ({m['tokens_per_epoch']:,} tokens per epoch)")
 
 
 def model_card(m: dict, file_bytes: int) -> str:
@@ -728,9 +705,7 @@ decoding with any such draft equals the target's own (`tests/test_eagle.py`).
 
 def _recorded_seconds(layers) -> tuple[float, float]:
   """(generation, feature) seconds spent on the data, as recorded beside it."""
-  generation = sum(float(open(os.path.join(d, 'generation_seconds.txt')).read())
-                   for d in _WORK_DIR.value
-                   if os.path.exists(os.path.join(d, 'generation_seconds.txt')))
+  generation = sum(draft_shards.generation_seconds(d, 0.0) for d in _WORK_DIR.value)
   feature = 0.0
   for path in (feature_file(shard, layers) for shard in _shards('gen_*.npz')):
     if not os.path.exists(path):  # a shard the features stage's budget left out

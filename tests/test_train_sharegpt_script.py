@@ -159,3 +159,34 @@ def test_training_writes_a_curve_resumes_and_the_draft_decodes_exactly(run, tmp_
   base = speclm.autoregressive_decode(target, tokens, lengths, max_new_tokens=8)
   spec = speclm.speculative_decode(target, draft, tokens, lengths, gamma=2, max_new_tokens=8)
   np.testing.assert_array_equal(spec.tokens, base.tokens)
+
+
+def test_the_token_only_draft_trains_on_the_same_shards_but_the_heldout_one(run, tmp_path):
+  """scripts/train_smollm2_draft.py on the ShareGPT work dir (issue 37's comparison): every
+  training shard with soft labels, never gen_sharegpt_zheldout.npz, and a card that names
+  the sources."""
+  work, _ = run
+  draft_script = os.path.join(ROOT, 'scripts', 'train_smollm2_draft.py')
+  flags = [f'--work_dir={work}', f'--output_dir={tmp_path}', '--batch_size=2', '--epochs=1',
+           '--subset_size=512', '--width_bucket=128', '--eval_prompts=1',
+           '--alpha_new_tokens=4', '--prompt_width=128']
+  log = run_script(draft_script, *flags, '--stage=train', '--noevaluate')
+  assert 'leaving out 1 held-out shard(s): gen_sharegpt_zheldout.npz' in log
+  expected = {}
+  for shard in glob.glob(os.path.join(work, 'gen_*.npz')):
+    if 'heldout' in shard or not os.path.exists(shard.replace('gen_', 'label_')):
+      continue
+    kind = 'own_replies' if '_own_' in shard else 'sharegpt'
+    with np.load(shard) as data:
+      counts = expected.setdefault(kind, dict(sequences=0, reply_tokens=0))
+      counts['sequences'] += len(data['lengths'])
+      counts['reply_tokens'] += int(data['loss_mask'].sum())
+  path = os.path.join(tmp_path, smollm2_draft.WEIGHTS_FILE)
+  _, _, metadata = smollm2_draft.read(path)
+  assert metadata['data_sources'] == expected and set(expected) == {'sharegpt', 'own_replies'}
+  assert metadata['sequences'] == sum(c['sequences'] for c in expected.values())
+  run_script(draft_script, *flags, '--stage=evaluate')
+  card = open(os.path.join(tmp_path, 'MODEL_CARD.md'), encoding='utf-8').read()
+  data_line = next(line for line in card.splitlines() if line.startswith('| data |'))
+  assert 'pieces of ShareGPT V3 conversations' in data_line
+  assert "SmolLM2's own replies to" in data_line and 'built-in training prompts' not in data_line

@@ -10,6 +10,7 @@
   conversations     Spec-Bench/MT-bench question files, one example per turn
   sharegpt          ShareGPT V3 for training drafts (the `train` extra)
   torch_replies     a Llama's own replies in PyTorch bfloat16 (training data for drafts)
+  draft_shards      the draft scripts' training shards: source, held out, the card's data line
 
 `speclm.data.seqio_tasks` (the optional `seqio` extra) is not imported here; import it to
 register the paper's WMT EnDe and CNN/DailyMail tasks. Nor are `sharegpt` and `torch_replies`
