@@ -34,6 +34,7 @@ def source(path: str) -> str:
 
 
 def is_heldout(path: str) -> bool:
+  """Whether the shard at `path` is held out (never trained on): "heldout" in its name."""
   return 'heldout' in os.path.basename(path)
 
 
