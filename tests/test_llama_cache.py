@@ -172,3 +172,18 @@ def test_a_prompt_attends_in_tiles_as_over_the_whole_cache(family, monkeypatch):
     np.testing.assert_allclose(cache.keys[:, b, :, :n], whole_cache.keys[:, b, :, :n], **TOL)
     np.testing.assert_allclose(cache.values[:, b, :, :n], whole_cache.values[:, b, :, :n], **TOL)
   np.testing.assert_array_equal(cache.lengths, lengths)
+
+
+@pytest.mark.parametrize('batch', [3, 10])  # per-row updates up to 8 rows, one scatter above
+def test_a_cache_write_puts_each_rows_entries_at_its_own_offset(batch):
+  rng = np.random.default_rng(batch)
+  layers, kv_heads, length, head_dim, count = 3, 2, 16, 4, 3
+  cache = rng.standard_normal((layers, batch, kv_heads, length, head_dim)).astype(np.float32)
+  new = rng.standard_normal((batch, kv_heads, count, head_dim)).astype(np.float32)
+  starts = rng.integers(0, length - count, batch).astype(np.int32)
+  want = cache.copy()
+  for b, start in enumerate(starts):
+    want[1, b, :, start:start + count] = new[b]
+  got = jax.jit(attention.write_cache, static_argnums=1)(jnp.asarray(cache), 1, jnp.asarray(new),
+                                                       jnp.asarray(starts))
+  np.testing.assert_array_equal(np.asarray(got), want)

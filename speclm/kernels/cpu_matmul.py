@@ -66,8 +66,8 @@ PANEL = 64
 TARGET_NAME = 'speclm_skinny_matmul'
 _TARGETS = {'float32': (TARGET_NAME, 'SkinnyMatmul'),
             'bfloat16': (TARGET_NAME + '_bf16', 'SkinnyMatmulBf16')}
-# Both kernels are built into one library: the packed float kernel and the GGUF-block kernel
-# (`speclm.kernels.quantized`).
+# The kernels are built into one library: the packed float kernel, the GGUF-block kernel
+# (`speclm.kernels.quantized`) and the decode steps' attention (`speclm.kernels.cache_attention`).
 # The GGUF block formats `quantized_matmul.cc` multiplies (`speclm.kernels.quantized`):
 # format -> (weights a block, bytes a block), as ggml lays them out.
 QUANTIZED_FORMATS = {'Q8_0': (32, 34), 'Q4_0': (32, 18), 'Q4_1': (32, 20),
@@ -85,9 +85,13 @@ def _quantized_symbols():
     yield quantized_target('dequantize', fmt), 'QuantizedDequantize_' + fmt
 
 
+# The decode steps' attention over the stacked KV cache (`speclm.kernels.cache_attention`).
+CACHE_ATTENTION_TARGET = 'speclm_cache_attention'
+
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
-                 for name in ('skinny_matmul.cc', 'quantized_matmul.cc'))
-_HEADERS = (os.path.join(os.path.dirname(__file__), 'parallel_tasks.h'),)  # part of the key
+                 for name in ('skinny_matmul.cc', 'quantized_matmul.cc', 'cache_attention.cc'))
+_HEADERS = tuple(os.path.join(os.path.dirname(__file__), name)  # part of the key
+                 for name in ('parallel_tasks.h', 'lanes.h'))
 
 
 def _cache_dir() -> str:
@@ -270,7 +274,8 @@ def available() -> bool:
   try:
     path = build()
     library = ctypes.CDLL(path)
-    targets = list(_TARGETS.values()) + list(_quantized_symbols())
+    targets = (list(_TARGETS.values()) + list(_quantized_symbols())
+               + [(CACHE_ATTENTION_TARGET, 'CacheAttention')])
     functions = [(name, getattr(library, symbol)) for name, symbol in targets]
     for name, function in functions:
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform='cpu')

@@ -32,6 +32,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "lanes.h"
 #include "parallel_tasks.h"
 
 namespace ffi = xla::ffi;
@@ -66,21 +67,13 @@ inline float Half(const uint8_t* p) {
 #endif
 }
 
-// Sixteen float32 lanes as one value (GCC/Clang vector extension): the compiler maps it to one
-// AVX-512 register, two AVX2 ones, or four SSE ones; each lane's arithmetic is the same. The
-// widening below works on 16 weights at a time in these lanes.
-typedef float Lanes __attribute__((vector_size(64)));
-typedef int32_t Ints __attribute__((vector_size(64)));
-typedef uint8_t Bytes __attribute__((vector_size(16)));
+// The widening below works on 16 weights at a time in `speclm::Lanes` (lanes.h).
+using speclm::Bytes;
+using speclm::Ints;
+using speclm::Lanes;
+using speclm::Load;
+using speclm::Store;
 typedef int8_t SignedBytes __attribute__((vector_size(16)));
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
 
 // 16 bytes from `p`, each widened to an int32 lane (zero- or sign-extended). With AVX-512 one
 // instruction; the portable conversion is what other machines get (GCC 12 lowers it to scalar

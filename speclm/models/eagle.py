@@ -80,19 +80,16 @@ class EagleModule(nn.Module):
       features = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='feature_norm')(features)
     fused = jnp.concatenate([embedded, features], axis=-1)
     x = llama.Kernel((2 * d, d), 'BKE,ED->BKD', 2 * d, pd, dt, name='fuse')(fused)
-    keys, values = [], []
+    keys, values = cache.keys, cache.values
     for i in range(c.num_layers):
-      x, k, v = llama.DecoderLayer(c, name=f'layers_{i}')(
-          x, positions, cache.keys[i], cache.values[i], cache.lengths, visible)
-      keys.append(k)
-      values.append(v)
+      x, keys, values = llama.DecoderLayer(c, name=f'layers_{i}')(
+          x, positions, keys, values, cache.lengths, visible, slot=i)
     normed = x
     if self.target_layers:
       normed = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='final_norm')(x)
     logits = llama.Kernel((d, c.vocab_size), 'BKD,DS->BKS', d, pd, jnp.float32,
                           name='head')(normed)
-    cache = llama.KVCache(keys=jnp.stack(keys), values=jnp.stack(values),
-                          lengths=cache.lengths + embedded.shape[1])
+    cache = llama.KVCache(keys=keys, values=values, lengths=cache.lengths + embedded.shape[1])
     return x, logits, cache
 
 

@@ -166,7 +166,6 @@ class Kernel(nn.Module):
     return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
                                      self.shape[merge:], self.dtype, input_dims=merge)
 
-
   def _quantized_product(self, x, fmt: str):
     """The product with the kernel kept in GGUF's blocks (`speclm.kernels.quantized`): the
     stored rows are the kernel's output units, each over all its (merged) inputs."""
@@ -176,6 +175,14 @@ class Kernel(nn.Module):
     flat = x.reshape(-1, math.prod(x.shape[x.ndim - merge:])).astype(jnp.float32)
     y = quantized.product(flat, self.get_variable('params', fmt), fmt)
     return y.reshape(lead + self.shape[merge:]).astype(self.dtype)
+
+
+def _on_cpu_kernels(attention_module: nn.Module) -> bool:
+  """Whether an `Attention`'s products go through the CPU kernels (`pack_for_cpu`, GGUF blocks):
+  its decode steps then attend through `speclm.kernels.cache_attention` too."""
+  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
+  query = attention_module.variables.get('params', {}).get('query', {})
+  return 'packed' in query or any(fmt in query for fmt in quantized.FORMATS)
 
 
 def _stored_format(module: nn.Module) -> str | None:
@@ -234,17 +241,17 @@ class Attention(nn.Module):
   """Grouped-query self-attention over the cache: RoPE, optional QK norms, sliding windows.
 
   Query heads N share key-value heads Nkv in groups of N / Nkv (GQA); the K new keys and values
-  are written into this layer's cache slots after each row's length.
-  """
+  are written into this layer's cache slots after each row's length."""
   config: LlamaConfig
   layer: int = 0  # which decoder layer: its RoPE base and whether its window slides
 
   @nn.compact
   def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
-               fresh=False):
-    """x `[B, K, D]`; keys/values `[B, Nkv, L, H]` of this layer; lengths `[B]` before x;
-    `visible` `[B, K, L]` the slots each query attends to (None: causal, a chain);
-    `key_positions` `[B, L]` the position held in each slot (None: the slot's index);
+               fresh=False, slot=0):
+    """x `[B, K, D]`; keys/values `[layers, B, Nkv, L, H]`, the whole cache (this layer's at
+    `slot`; its K new entries are written there in place, the whole cache returned); lengths
+    `[B]` before x; `visible` `[B, K, L]` the slots each query attends to (None: causal, a
+    chain); `key_positions` `[B, L]` the position held in each slot (None: the slot's index);
     `fresh`: the cache is empty before x, which then attends among its own K entries only
     (`speclm.models.attention.prompt_attention`)."""
     c = self.config
@@ -261,13 +268,9 @@ class Attention(nn.Module):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
 
-    # Write the K new entries at each row's own offset (a scatter across rows).
-    zero = jnp.zeros((), lengths.dtype)  # index dtypes must agree (also under jax_enable_x64)
-    write = jax.vmap(lambda cache, new, start: jax.lax.dynamic_update_slice(
-        cache, new.astype(cache.dtype), (zero, start, zero)))
     new_keys, new_values = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, Nkv, K, H]
-    keys = write(keys, new_keys, lengths)
-    values = write(values, new_values, lengths)
+    keys = attention.write_cache(keys, slot, new_keys, lengths)
+    values = attention.write_cache(values, slot, new_values, lengths)
 
     q = q.reshape(q.shape[0], q.shape[1], nkv, n // nkv, h)
     window = c.sliding_window if c.is_sliding(self.layer) else None
@@ -277,14 +280,20 @@ class Attention(nn.Module):
                                        cap=c.attn_logit_softcap, window=window, dtype=dt)
     else:
       if key_positions is None:
-        key_positions = jnp.arange(keys.shape[2])[None, :]  # [1, L]: a chain, slot = position
+        key_positions = jnp.arange(keys.shape[3])[None, :]  # [1, L]: a chain, slot = position
       if visible is None:
         # Query k of row b sits at position lengths[b] + k and sees cache positions <= its own.
         visible = key_positions[:, None, :] <= positions[:, :, None]  # [B, K, L]
       if window is not None:  # and only the last `window` positions, itself included
         visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
-      out = attention.attend(q, keys, values, visible, scale=scale, cap=c.attn_logit_softcap,
-                             dtype=dt)
+      from speclm.kernels import cache_attention  # pylint: disable=import-outside-toplevel
+      # As the products: decode steps and verification calls, not long prompts.
+      if _on_cpu_kernels(self) and cache_attention.serves(h, keys.dtype) and _kernel_serves(q, 3):
+        out = cache_attention.attend(q, keys, values, visible, layer=slot, scale=scale,
+                                     cap=c.attn_logit_softcap)
+      else:
+        out = attention.attend(q, keys[slot], values[slot], visible, scale=scale,
+                               cap=c.attn_logit_softcap, dtype=dt)
     out = Kernel((n, h, d), 'BKF,FD->BKD', n * h, pd, dt, merge_input_dims=2, name='out')(
         out.reshape(out.shape[0], out.shape[1], n, h))
     return out, keys, values
@@ -312,21 +321,21 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
   """One pre-norm decoder block: attention and MLP residuals (Gemma: also post-norms).
 
-  `__call__` takes and returns what `Attention` does: x `[B, K, D]`, this layer's keys and
-  values `[B, Nkv, L, H]`.
+  `__call__` takes and returns what `Attention` does: x `[B, K, D]`, the whole stacked cache's
+  keys and values `[layers, B, Nkv, L, H]`, this layer's at index `slot`.
   """
   config: LlamaConfig
   layer: int = 0
 
   @nn.compact
   def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
-               fresh=False):
+               fresh=False, slot=0):
     c = self.config
     norm = lambda name: layers.RMSNorm(c.norm_eps, jnp.dtype(c.param_dtype), c.norm_offset,
                                        name=name)
     attn_out, keys, values = Attention(c, self.layer, name='attention')(
         norm('pre_attention_norm')(x), positions, keys, values, lengths, visible, key_positions,
-        fresh)
+        fresh, slot)
     if c.post_norms:  # Gemma: each block's output normalized before the residual sum
       attn_out = norm('post_attention_norm')(attn_out)
     x = x + attn_out
@@ -372,16 +381,13 @@ class LlamaModule(nn.Module):
     x = self.embedder(tokens).astype(dt)
     if self.config.scale_embeddings:  # Gemma: by √D, rounded to the activations' dtype first
       x = x * jnp.asarray(math.sqrt(self.config.embed_dim), dt)
-    new_keys, new_values, taps = [], [], []
+    keys, values, taps = cache.keys, cache.values, []
     for i, layer in enumerate(self.layers):
-      x, k, v = layer(x, positions, cache.keys[i], cache.values[i], cache.lengths, visible,
-                      key_positions, fresh)
-      new_keys.append(k)
-      new_values.append(v)
+      x, keys, values = layer(x, positions, keys, values, cache.lengths, visible, key_positions,
+                              fresh, slot=i)
       taps.append(x)
     x = self.final_norm(x)
-    cache = KVCache(keys=jnp.stack(new_keys), values=jnp.stack(new_values),
-                    lengths=cache.lengths + tokens.shape[1])
+    cache = KVCache(keys=keys, values=values, lengths=cache.lengths + tokens.shape[1])
     if tap_layers:
       return x, cache, jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
     return x, cache
