@@ -182,7 +182,7 @@ def _on_cpu_kernels(attention_module: nn.Module) -> bool:
   its decode steps then attend through `speclm.kernels.cache_attention` too."""
   from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
   query = attention_module.variables.get('params', {}).get('query', {})
-  return 'packed' in query or any(fmt in query for fmt in quantized.FORMATS)
+  return 'packed' in query or quantized.format_of(dict(query)) is not None
 
 
 def _stored_format(module: nn.Module) -> str | None:
@@ -247,7 +247,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
-               fresh=False, slot=0):
+               fresh=False, *, slot):
     """x `[B, K, D]`; keys/values `[layers, B, Nkv, L, H]`, the whole cache (this layer's at
     `slot`; its K new entries are written there in place, the whole cache returned); lengths
     `[B]` before x; `visible` `[B, K, L]` the slots each query attends to (None: causal, a
@@ -329,13 +329,13 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, keys, values, lengths, visible=None, key_positions=None,
-               fresh=False, slot=0):
+               fresh=False, *, slot):
     c = self.config
     norm = lambda name: layers.RMSNorm(c.norm_eps, jnp.dtype(c.param_dtype), c.norm_offset,
                                        name=name)
     attn_out, keys, values = Attention(c, self.layer, name='attention')(
         norm('pre_attention_norm')(x), positions, keys, values, lengths, visible, key_positions,
-        fresh, slot)
+        fresh, slot=slot)
     if c.post_norms:  # Gemma: each block's output normalized before the residual sum
       attn_out = norm('post_attention_norm')(attn_out)
     x = x + attn_out
