@@ -38,7 +38,8 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
     γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
     k ≤ γ_max tokens (a while loop, `_draft_adaptive`), and the target verifies k+1 tokens
     and Algorithm 1 accepts among the k, one of γ_max+1 compiled widths chosen by
-    `lax.switch`. When γ = 0 the draft sits the round out (`lax.cond` in `_draft_step`;
+    `lax.switch` (a target on the CPU kernels verifies at the width γ_max+1 before the switch,
+    told to skip the positions past k+1: `protocol.LanguageModel.extend_live`). When γ = 0 the draft sits the round out (`lax.cond` in `_draft_step`;
     unless `max_skip` = 0). The loop keeps the last W = max_skip + 2 tokens (`recent`,
     updated by `_track_drafting`); when the draft next runs it rolls back to C−g and re-feeds
     the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}] (`_catch_up`),
@@ -468,24 +469,29 @@ def _verify_and_accept(target_def, target_params, state: common.LoopState, draft
   Returns (the `speculative.RoundResult`, its β `[B, G]` zero past k; `[B]` rows whose target
   logits are bad; the target's features `[B, G+1, D]` of the verified positions for a
   feature-conditioned draft, None otherwise; the target's cache). With a fixed γ, k = G.
-  With a traced `num_drafted` k, the call and the acceptance have the width k+1 (one of G+1
-  compiled branches, chosen by `lax.switch`), so the round's work over the vocabulary (p̃ at
-  each verified position, the residual) follows the k chosen, not γ_max. Features past
-  position k+1 repeat the last one (never read: at most k drafts are accepted). At
-  temperature 0 the acceptance is `speculative.greedy_round` on the argmax ids (the same
-  decisions, no [B, K, V] arrays).
+  With a traced `num_drafted` k, the acceptance has the width k+1 (one of G+1 compiled
+  branches, chosen by `lax.switch`), so the round's work over the vocabulary (p̃ at each
+  verified position, the residual) follows the k chosen, not γ_max. So does the target call:
+  in the branches, or once at the width G+1 before them (`extend_live`) for a target that
+  skips the positions not needed (`skips_dead_positions`: the CPU kernels), as on CPU a
+  branch that writes the cache copies all of it. Features past position k+1 repeat the last
+  one (never read). At temperature 0 the acceptance is `speculative.greedy_round` on the
+  argmax ids (the same decisions, no [B, K, V] arrays).
   """
   verified = jnp.concatenate([state.pending_token[:, None], drafted], axis=1)
   gamma = drafted.shape[1]
 
-  def call(tokens):
+  def call(tokens, num_live=None):
+    params, cache = target_params, state.target_cache
     if with_features:
-      return target_def.extend_with_features(target_params, tokens, state.target_cache)
-    logits, cache = target_def.extend(target_params, tokens, state.target_cache)
+      return (target_def.extend_with_features(params, tokens, cache) if num_live is None else
+              target_def.extend_live_with_features(params, tokens, cache, num_live))
+    logits, cache = (target_def.extend(params, tokens, cache) if num_live is None else
+                     target_def.extend_live(params, tokens, cache, num_live))
     return logits, None, cache
 
-  def verify_and_accept(k):
-    logits, features, cache = call(verified[:, :k + 1])
+  def accept(k, logits, features):
+    """Algorithm 1 over the first k drafts, from the logits of the first k+1 positions."""
     if sampling.is_greedy:
       result = speculative.greedy_round(drafted[:, :k], sampling_lib.greedy_ids(logits))
     else:
@@ -496,13 +502,22 @@ def _verify_and_accept(target_def, target_params, state: common.LoopState, draft
       result = result.replace(beta=jnp.pad(result.beta, ((0, 0), (0, gamma - k))))
       if features is not None:
         features = jnp.concatenate(
-            [features, jnp.repeat(features[:, -1:], gamma - k, axis=1)], axis=1)
-    return result, common.bad_rows(logits), features, cache
+            [features[:, :k + 1], jnp.repeat(features[:, k:k + 1], gamma - k, axis=1)], axis=1)
+    return result, common.bad_rows(logits), features
+
+  def verify_and_accept(k):
+    logits, features, cache = call(verified[:, :k + 1])
+    return accept(k, logits, features) + (cache,)
 
   if num_drafted is None:
     return verify_and_accept(gamma)
-  return jax.lax.switch(num_drafted, [functools.partial(verify_and_accept, k)
-                                      for k in range(gamma + 1)])
+  if not target_def.skips_dead_positions(target_params):
+    return jax.lax.switch(num_drafted, [functools.partial(verify_and_accept, k)
+                                        for k in range(gamma + 1)])
+  logits, features, cache = call(verified, num_live=num_drafted + 1)
+  result, bad, features = jax.lax.switch(
+      num_drafted, [lambda k=k: accept(k, logits[:, :k + 1], features) for k in range(gamma + 1)])
+  return result, bad, features, cache
 
 
 def _hand_off_features(draft_features, features, n, good) -> jax.Array:

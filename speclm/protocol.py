@@ -96,6 +96,34 @@ class LanguageModel(abc.ABC):
     logits, cache = self.extend(params, tokens, cache)
     return logits[:, -1], cache
 
+  def extend_live(self, params: Params, tokens: jax.Array, cache: Cache, num_live: jax.Array
+                  ) -> tuple[jax.Array, Cache]:
+    """`extend` of K tokens of which only the first `num_live` are needed.
+
+    An adaptive round verifies the k it drafted at one compiled width, γ_max + 1 (a branch
+    per width costs copies of the whole cache on CPU, docs/performance.md). A model whose
+    `skips_dead_positions` is True leaves the other positions' work out; any other computes
+    them (this default: `extend`).
+
+    Args:
+      params, tokens, cache: as for `extend` (tokens `[B, K]`).
+      num_live: int32 scalar (traced), 1 … K.
+
+    Returns:
+      `extend`'s (logits `[B, K, V]`, cache with lengths increased by K), exact at the first
+      `num_live` positions; the logits and cache entries of the others are unspecified (never
+      read: decoding rolls the cache back before them).
+    """
+    del num_live
+    return self.extend(params, tokens, cache)
+
+  def skips_dead_positions(self, params: Params) -> bool:
+    """Whether `extend_live` with these parameters costs about what a call of `num_live`
+    positions does (False: it costs a K-position call, as this default). Static: decided
+    from the parameters' structure while tracing."""
+    del params
+    return False
+
   @abc.abstractmethod
   def prefix_length(self, input_lengths: jax.Array | int) -> jax.Array | int:
     """How many cache positions `prefill` fills for inputs of the given lengths.
@@ -268,6 +296,14 @@ class FeatureSource(abc.ABC):
     Returns:
       (logits `[B, K, V]`, features `[B, K, D]`, the cache with lengths increased by K).
     """
+
+  def extend_live_with_features(self, params: Params, tokens: jax.Array, cache: Cache,
+                                num_live: jax.Array) -> tuple[jax.Array, jax.Array, Cache]:
+    """`extend_with_features` where only the first `num_live` positions are needed (as
+    `LanguageModel.extend_live`; the features of the others are unspecified too). This
+    default computes them all."""
+    del num_live
+    return self.extend_with_features(params, tokens, cache)
 
 
 class FeatureConditionedDraft(LanguageModel):

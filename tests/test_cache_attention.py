@@ -46,6 +46,21 @@ def test_a_query_gets_the_same_numbers_alone_or_with_others():
       np.testing.assert_array_equal(np.asarray(alone)[0, 0], together[b, k])
 
 
+def test_a_query_that_sees_no_slot_gets_zeros_and_changes_no_other_query():
+  """What `LlamaModule`'s `live` relies on: a position not needed sees nothing, attends to
+  nothing (exactly 0, as its weights would all be) and is skipped."""
+  q, keys, values, visible = _inputs(batch=2, queries=5)
+  dead = visible.copy()
+  dead[0, 2:] = False
+  dead[1, 4] = False
+  got = np.asarray(cache_attention.attend(q, keys, values, dead, layer=2, scale=0.2, cap=None))
+  assert not got[0, 2:].any() and not got[1, 4].any()
+  for b, k in ((0, 0), (0, 1), (1, 0), (1, 3)):
+    alone = cache_attention.attend(q[b:b + 1, k:k + 1], keys[:, b:b + 1], values[:, b:b + 1],
+                                   visible[b:b + 1, k:k + 1], layer=2, scale=0.2, cap=None)
+    np.testing.assert_array_equal(np.asarray(alone)[0, 0], got[b, k])
+
+
 def test_bad_shapes_say_what_is_expected():
   q, keys, values, visible = _inputs()
   with pytest.raises(Exception, match='cache_attention: expects'):

@@ -64,6 +64,25 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     np.testing.assert_array_equal(np.asarray(matmul(x[r:r + 3], packed, 130))[0], whole[r])
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_all_zero_rows_give_zeros_and_leave_the_other_rows_sums_alone(dtype):
+  """The kernel multiplies only rows with a nonzero entry (zero_rows.h): what `extend_live`'s
+  positions that are not needed cost nothing by. Signed zeros count as zero, NaN does not."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((7, 96)).astype(np.float32)
+  x[[1, 2, 5]] = 0.0
+  x[2, ::3] = -0.0
+  x[6, 4] = np.nan
+  packed = cpu_matmul.pack(rng.standard_normal((96, 130)).astype(np.float32), dtype)
+  matmul = jax.jit(cpu_matmul.matmul, static_argnums=2)
+  y = np.asarray(matmul(x, packed, 130))
+  assert np.all(y[[1, 2, 5]] == 0.0) and not np.signbit(y[[1, 2, 5]]).any()
+  for r in (0, 3, 4):
+    np.testing.assert_array_equal(y[r], np.asarray(matmul(x[r:r + 1], packed, 130))[0])
+  assert np.isnan(y[6]).all()
+  assert not np.asarray(matmul(np.zeros((3, 96), np.float32), packed, 130)).any()
+
+
 @pytest.mark.parametrize('rows', [1, 3, 8, 13])
 def test_bfloat16_panels_give_the_float32_kernels_sums_bit_for_bit(rows):
   """Weights that are bfloat16 values: half the bytes, the very same result."""

@@ -67,6 +67,20 @@ def test_products_match_float64_and_do_not_depend_on_the_row_count(fmt):
     np.testing.assert_array_equal(alone[0], y[r])
 
 
+@pytest.mark.parametrize('fmt', ['Q4_K', 'Q8_0'])
+def test_all_zero_rows_give_zeros_and_leave_the_other_rows_alone(fmt):
+  """Rows of zeros are not multiplied (zero_rows.h), as in the packed kernel."""
+  rows = random_rows(fmt, 40, 512, seed=4)
+  x = np.random.default_rng(5).standard_normal((5, 512)).astype(np.float32)
+  x[[0, 3]] = 0.0
+  product = jax.jit(quantized.matmul, static_argnums=2)
+  y = np.asarray(product(jnp.asarray(x), jnp.asarray(rows), fmt))
+  assert np.all(y[[0, 3]] == 0.0)
+  for r in (1, 2, 4):
+    np.testing.assert_array_equal(
+        y[r], np.asarray(product(jnp.asarray(x[r:r + 1]), jnp.asarray(rows), fmt))[0])
+
+
 def test_many_rows_take_the_dequantized_gemm_and_agree():
   rows = random_rows('Q4_K', 48, 512, seed=3)
   x = np.random.default_rng(4).standard_normal((quantized.MAX_KERNEL_ROWS + 8, 512))

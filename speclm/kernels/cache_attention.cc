@@ -144,13 +144,21 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   // queries add change none of its sums: each query's numbers are those of a call of its own.
   speclm::RunTasks(pool, batch * kv_heads, 1, [=](int64_t first, int64_t end) {
     thread_local std::vector<float> weights, tile, tops;
+    thread_local std::vector<char> sees;
     for (int64_t task = first; task < end; ++task) {
       const int64_t b = task / kv_heads, n = task % kv_heads;
       const bool* row_mask = mask + b * queries * slots;  // [K, L]
-      int64_t used = 0;  // slots up to the last one seen
+      // Slots up to the last one seen; a query that sees no slot is skipped (its output is 0,
+      // as its weights would all be): the positions `LanguageModel.extend_live` leaves out.
+      int64_t used = 0;
+      sees.assign(queries, 0);
       for (int64_t k = 0; k < queries; ++k)
-        for (int64_t l = slots - 1; l >= used; --l)
-          if (row_mask[k * slots + l]) { used = l + 1; break; }
+        for (int64_t l = slots - 1; l >= 0; --l)
+          if (row_mask[k * slots + l]) {
+            used = std::max(used, l + 1);
+            sees[k] = 1;
+            break;
+          }
       const int64_t blocks = (used + kLanes - 1) / kLanes, width = blocks * kLanes;
       if (static_cast<int64_t>(weights.size()) < queries * groups * width)
         weights.resize(queries * groups * width);
@@ -177,6 +185,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
           key = tile.data();
         }
         for (int64_t k = 0; k < queries; ++k) {
+          if (!sees[k]) continue;
           const bool* m = row_mask + k * slots + l0;
           if (l0 + kLanes > slots) {
             for (int64_t j = 0; j < kLanes; ++j) mask_tail[j] = l0 + j < slots && m[j];
@@ -204,6 +213,11 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
       }
       // Softmax weights: e^(s − max) where seen, exactly 0 elsewhere, over their sum.
       for (int64_t k = 0; k < queries; ++k) {
+        if (!sees[k]) {
+          for (int64_t g = 0; g < groups; ++g)
+            std::memset(out_data + row_of(k, g) * h_dim, 0, h_dim * sizeof(float));
+          continue;
+        }
         for (int64_t g = 0; g < groups; ++g) {
           const Lanes top = Load(tops.data() + (k * groups + g) * kLanes);
           float most = kLowest;
@@ -226,6 +240,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
       for (int64_t l0 = 0; l0 < width; l0 += kLanes) {
         const int64_t l1 = std::min(l0 + kLanes, slots);
         for (int64_t k = 0; k < queries; ++k) {
+          if (!sees[k]) continue;
           for (int64_t g = 0; g < groups; ++g) {
             const float* w = w_row(k, g);
             float* o = out_data + row_of(k, g) * h_dim;

@@ -34,6 +34,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "lanes.h"
 #include "parallel_tasks.h"
+#include "zero_rows.h"
 
 namespace ffi = xla::ffi;
 
@@ -288,10 +289,16 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "quantized_matmul: expects x [M, K] and w [N, K / block weights × block bytes]");
   }
-  const int64_t m = x_dims[0], k_dim = x_dims[1], n = w_dims[0], row_bytes = w_dims[1];
-  const float* x_data = x.typed_data();
+  const int64_t k_dim = x_dims[1], n = w_dims[0], row_bytes = w_dims[1];
+  // All-zero rows are not multiplied (zero_rows.h): m counts the others.
+  const speclm::LiveRows live = speclm::FindLiveRows(x.typed_data(), x_dims[0], k_dim);
+  const int64_t m = live.count();
+  const int64_t* row_index = live.index.data();
+  const float* x_data = live.data;
   const uint8_t* w_data = w.typed_data();
   float* y_data = y->typed_data();
+  speclm::ZeroDeadRows(live, x_dims[0], n, y_data);
+  if (m == 0) return ffi::Error::Success();
   speclm::RunTasks(pool, n, kRowsPerTask, [=](int64_t first, int64_t end) {
     thread_local std::vector<float> widened, dots;
     if (static_cast<int64_t>(widened.size()) < k_dim) widened.resize(k_dim);
@@ -299,7 +306,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     for (int64_t row = first; row < end; ++row) {
       WidenRow<F>(w_data + row * row_bytes, k_dim, widened.data());
       DotAllRows(x_data, m, k_dim, widened.data(), dots.data());
-      for (int64_t r = 0; r < m; ++r) y_data[r * n + row] = dots[r];
+      for (int64_t r = 0; r < m; ++r) y_data[row_index[r] * n + row] = dots[r];
     }
   });
   return ffi::Error::Success();

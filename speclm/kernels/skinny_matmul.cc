@@ -25,6 +25,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "parallel_tasks.h"
+#include "zero_rows.h"
 
 namespace ffi = xla::ffi;
 
@@ -169,11 +170,17 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       p_dims[1] != x_dims[1]) {
     return ffi::Error::InvalidArgument("skinny_matmul: expects x [M, K] and packed [P, K, 64]");
   }
-  const int64_t m = x_dims[0], k_dim = x_dims[1], panels = p_dims[0];
+  const int64_t k_dim = x_dims[1], panels = p_dims[0];
   const int64_t n_padded = panels * kPanel;
-  const float* x_data = x.typed_data();
+  // All-zero rows are not multiplied (zero_rows.h): m counts the others.
+  const speclm::LiveRows live = speclm::FindLiveRows(x.typed_data(), x_dims[0], k_dim);
+  const int64_t m = live.count();
+  const int64_t* row_index = live.index.data();
+  const float* x_data = live.data;
   const auto* p_data = packed.typed_data();
   float* y_data = y->typed_data();
+  speclm::ZeroDeadRows(live, x_dims[0], n_padded, y_data);
+  if (m == 0) return ffi::Error::Success();
 
   speclm::RunTasks(pool, panels, 1, [=](int64_t first, int64_t end) {
     for (int64_t p = first; p < end; ++p) {
@@ -186,7 +193,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         PanelAnyRows(rows, x_data + r0 * k_dim, k_dim, panel, block);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < kPanel; ++j)
-            y_data[(r0 + r) * n_padded + p * kPanel + j] = block[r * kPanel + j];
+            y_data[row_index[r0 + r] * n_padded + p * kPanel + j] = block[r * kPanel + j];
         r0 += rows;
       }
     }

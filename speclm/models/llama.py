@@ -53,7 +53,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from speclm import protocol
@@ -65,6 +64,8 @@ from speclm.models.llama_config import FAMILIES  # pylint: disable=unused-import
 from speclm.models.llama_config import LlamaConfig
 from speclm.models.llama_config import RopeScaling  # pylint: disable=unused-import
 from speclm.models.llama_config import family_config  # pylint: disable=unused-import
+from speclm.models.rope import apply_rope  # also this module's
+from speclm.models.rope import rope_frequencies  # also this module's
 
 
 @struct.dataclass
@@ -83,44 +84,6 @@ class KVCache:
   def capacity(self) -> int:
     """L, the positions each row can hold (static)."""
     return self.keys.shape[3]
-
-
-def rope_frequencies(config: LlamaConfig, layer: int | None = None) -> np.ndarray:
-  """Inverse frequencies `[H/2]` of the rotary embedding of decoder layer `layer`, with
-  optional scaling (sliding layers of a model with `local_rope_theta` use that base, unscaled)."""
-  theta, scaling = config.rope_theta, config.rope_scaling
-  if (layer is not None and config.local_rope_theta is not None
-      and config.is_sliding(layer)):
-    theta, scaling = config.local_rope_theta, None
-  exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-  inv_freq = 1.0 / (theta ** exponents)
-  if scaling is None:
-    return inv_freq.astype(np.float32)
-  if scaling.kind == 'linear':
-    return (inv_freq / scaling.factor).astype(np.float32)
-  if scaling.kind == 'llama3':
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
-    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    out = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    in_between = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
-    return np.where(in_between, blended, out).astype(np.float32)
-  raise ValueError(f"Unsupported RoPE scaling kind {scaling.kind!r}; expected 'linear' or"
-                   " 'llama3'.")
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates `x` `[B, K, heads, H]` by its absolute `positions` `[B, K]` (rotate-half layout)."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, K, H/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
 
 
 class Kernel(nn.Module):
@@ -177,11 +140,12 @@ class Kernel(nn.Module):
     return y.reshape(lead + self.shape[merge:]).astype(self.dtype)
 
 
-def _on_cpu_kernels(attention_module: nn.Module) -> bool:
-  """Whether an `Attention`'s products go through the CPU kernels (`pack_for_cpu`, GGUF blocks):
-  its decode steps then attend through `speclm.kernels.cache_attention` too."""
+def _on_cpu_kernels(attention_params) -> bool:
+  """Whether an `Attention`'s products (given its parameters) go through the CPU kernels
+  (`pack_for_cpu`, GGUF blocks): its decode steps then attend through
+  `speclm.kernels.cache_attention` too."""
   from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-  query = attention_module.variables.get('params', {}).get('query', {})
+  query = attention_params.get('query', {})
   return 'packed' in query or quantized.format_of(dict(query)) is not None
 
 
@@ -288,7 +252,8 @@ class Attention(nn.Module):
         visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
       from speclm.kernels import cache_attention  # pylint: disable=import-outside-toplevel
       # As the products: decode steps and verification calls, not long prompts.
-      if _on_cpu_kernels(self) and cache_attention.serves(h, keys.dtype) and _kernel_serves(q, 3):
+      if (_on_cpu_kernels(self.variables.get('params', {})) and _kernel_serves(q, 3)
+          and cache_attention.serves(h, keys.dtype)):
         out = cache_attention.attend(q, keys, values, visible, layer=slot, scale=scale,
                                      cap=c.attn_logit_softcap)
       else:
@@ -362,18 +327,25 @@ class LlamaModule(nn.Module):
                             jnp.float32)
 
   def __call__(self, tokens, cache: KVCache, tree=None, tap_layers: tuple[int, ...] = (),
-               fresh: bool = False):
+               fresh: bool = False, live=None):
     """tokens `[B, K]` appended after `cache.lengths` -> (hidden `[B, K, D]`, updated cache).
 
     With a `speclm.token_trees.TreeLayout` `tree` the K tokens are a token tree: node k at
     position lengths + depth, attending to the committed prefix and its ancestors. With
     `tap_layers`, a third result: the hidden states after each of those decoder layers,
     concatenated `[B, K, len(tap_layers) · D]`. `fresh` promises an empty cache (every length
-    0, a prompt): attention then runs among the K tokens only (`speclm.models.attention.prompt_attention`)."""
+    0, a prompt): attention then runs among the K tokens only (`speclm.models.attention.prompt_attention`).
+    `live` `[B, K]` bool (a chain): the positions needed (`Llama.extend_live`). The others
+    start from a zero hidden state and see no slot, so they stay zero through every layer
+    (norms, products and activations of zero are zero; attention that sees nothing is 0),
+    which the CPU kernels skip (speclm/kernels/zero_rows.h)."""
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
       visible = key_positions = None
+      if live is not None:
+        slots = jnp.arange(cache.keys.shape[3])[None, None, :]
+        visible = (slots <= positions[:, :, None]) & live[:, :, None]  # [B, K, L]
     else:
       positions = cache.lengths[:, None] + tree.depths
       visible = layers.tree_visibility(cache.lengths, cache.capacity, tree.ancestors)
@@ -381,6 +353,8 @@ class LlamaModule(nn.Module):
     x = self.embedder(tokens).astype(dt)
     if self.config.scale_embeddings:  # Gemma: by √D, rounded to the activations' dtype first
       x = x * jnp.asarray(math.sqrt(self.config.embed_dim), dt)
+    if live is not None:
+      x = jnp.where(live[:, :, None], x, jnp.zeros((), dt))
     keys, values, taps = cache.keys, cache.values, []
     for i, layer in enumerate(self.layers):
       x, keys, values = layer(x, positions, keys, values, cache.lengths, visible, key_positions,
@@ -473,14 +447,15 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
                          f' {self.config.num_layers - 1}.')
     return dataclasses.replace(self, feature_layers=layers)
 
-  def _features(self, params, tokens, cache, fresh: bool = False):
-    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache); `fresh`: see
+  def _features(self, params, tokens, cache, fresh: bool = False, live=None):
+    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache); `fresh`, `live`: see
     `LlamaModule.__call__`."""
     if self.feature_layers is None:
-      hidden, cache = self.module.apply({'params': params}, tokens, cache, fresh=fresh)
+      hidden, cache = self.module.apply({'params': params}, tokens, cache, fresh=fresh,
+                                        live=live)
       return hidden, hidden, cache
     hidden, cache, taps = self.module.apply({'params': params}, tokens, cache, None,
-                                            self.feature_layers, fresh)
+                                            self.feature_layers, fresh, live)
     return hidden, taps, cache
 
   def prefill(self, params, inputs, input_lengths, cache):
@@ -514,9 +489,27 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     """`extend` that also returns the features `[B, K, feature_dim]`; see
     `speclm.protocol.FeatureSource.extend_with_features`.
     """
-    hidden, features, cache = self._features(params, tokens, cache)
+    return self.extend_live_with_features(params, tokens, cache, None)
+
+  def extend_live(self, params, tokens, cache, num_live):
+    """Positions from `num_live` on held at zero (`LlamaModule.__call__`'s `live`); see
+    `speclm.protocol.LanguageModel.extend_live`."""
+    logits, _, cache = self.extend_live_with_features(params, tokens, cache, num_live)
+    return logits, cache
+
+  def extend_live_with_features(self, params, tokens, cache, num_live):
+    """`extend_live` with the features; `num_live` None: every position. See
+    `speclm.protocol.FeatureSource.extend_live_with_features`."""
+    live = None if num_live is None else jnp.broadcast_to(
+        jnp.arange(tokens.shape[1])[None, :] < num_live, tokens.shape)
+    hidden, features, cache = self._features(params, tokens, cache, live=live)
     logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
     return logits, features, cache
+
+  def skips_dead_positions(self, params):
+    """True when the products go through the CPU kernels (`pack_for_cpu`, GGUF blocks), which
+    skip zero rows; see `speclm.protocol.LanguageModel.skips_dead_positions`."""
+    return _on_cpu_kernels(params.get('layers_0', {}).get('attention', {}))
 
   def extend_tree(self, params, tokens, tree, cache):
     """Tree attention masks over the cache; see `speclm.protocol.LanguageModel.extend_tree`."""
