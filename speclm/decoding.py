@@ -511,7 +511,7 @@ def _verify_and_accept(target_def, target_params, state: common.LoopState, draft
 
   if num_drafted is None:
     return verify_and_accept(gamma)
-  if not target_def.skips_dead_positions(target_params):
+  if not target_def.skips_dead_positions(target_params, verified.shape):
     return jax.lax.switch(num_drafted, [functools.partial(verify_and_accept, k)
                                         for k in range(gamma + 1)])
   logits, features, cache = call(verified, num_live=num_drafted + 1)

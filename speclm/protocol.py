@@ -117,11 +117,11 @@ class LanguageModel(abc.ABC):
     del num_live
     return self.extend(params, tokens, cache)
 
-  def skips_dead_positions(self, params: Params) -> bool:
-    """Whether `extend_live` with these parameters costs about what a call of `num_live`
-    positions does (False: it costs a K-position call, as this default). Static: decided
-    from the parameters' structure while tracing."""
-    del params
+  def skips_dead_positions(self, params: Params, shape: tuple[int, int]) -> bool:
+    """Whether `extend_live` of tokens of `shape` `(B, K)` with these parameters costs about
+    what a call of `num_live` positions does (False: it costs a K-position call, as this
+    default). Static: decided from the parameters' structure and the shape while tracing."""
+    del params, shape
     return False
 
   @abc.abstractmethod

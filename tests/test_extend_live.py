@@ -35,7 +35,8 @@ def test_live_positions_get_extends_numbers_bit_for_bit(switches):
   (logits and cache entries) are those of `extend`, and of a call of the live ones alone."""
   target = llama.pack_for_cpu(_models(**switches)[0])
   definition, params = target.definition, target.params
-  assert definition.skips_dead_positions(params)
+  assert definition.skips_dead_positions(params, (2, 5))
+  assert not definition.skips_dead_positions(params, (4, 5))  # 20 rows: XLA's products
   prompts, lengths = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32), np.array([4, 2])
   cache = _after_prompt(target, prompts, lengths)
   tokens = jnp.asarray([[11, 12, 13, 14, 15], [16, 17, 18, 19, 20]], jnp.int32)
@@ -62,8 +63,8 @@ def test_models_off_the_kernels_compute_every_position():
   """Without the CPU kernels nothing is skipped: the protocol's default is `extend` itself,
   and Llama's live positions still equal it (to float rounding: XLA's products)."""
   target, draft = _models()
-  assert not target.definition.skips_dead_positions(target.params)
-  assert not protocol.LanguageModel.skips_dead_positions(draft.definition, draft.params)
+  assert not target.definition.skips_dead_positions(target.params, (1, 5))
+  assert not protocol.LanguageModel.skips_dead_positions(draft.definition, draft.params, (1, 5))
   prompts, lengths = np.array([[5, 6, 7, 8]], np.int32), np.array([4])
   cache = _after_prompt(target, prompts, lengths)
   tokens = jnp.asarray([[11, 12, 13, 14, 15]], jnp.int32)
@@ -98,7 +99,7 @@ def test_adaptive_rounds_verify_at_one_width_with_the_branchs_draws(temperature,
   one_width = speclm.speculative_decode(target, draft, prompts, lengths, gamma=_rule(), **kwargs)
   assert calls, 'the adaptive loop did not verify through extend_live'
   assert int(one_width.stats.beta_count) > 0  # the rounds drafted
-  monkeypatch.setattr(llama.Llama, 'skips_dead_positions', lambda self, params: False)
+  monkeypatch.setattr(llama.Llama, 'skips_dead_positions', lambda *args: False)
   jax.clear_caches()  # trace the loop again: verification in the branches
   calls.clear()
   branches = speclm.speculative_decode(target, draft, prompts, lengths, gamma=_rule(), **kwargs)

@@ -506,10 +506,12 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
     return logits, features, cache
 
-  def skips_dead_positions(self, params):
-    """True when the products go through the CPU kernels (`pack_for_cpu`, GGUF blocks), which
-    skip zero rows; see `speclm.protocol.LanguageModel.skips_dead_positions`."""
-    return _on_cpu_kernels(params.get('layers_0', {}).get('attention', {}))
+  def skips_dead_positions(self, params, shape):
+    """True when B·K rows go through the CPU kernels (`pack_for_cpu`, GGUF blocks), which skip
+    zero rows; see `speclm.protocol.LanguageModel.skips_dead_positions`."""
+    from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
+    return (_on_cpu_kernels(params.get('layers_0', {}).get('attention', {}))
+            and cpu_matmul.serves(shape[0] * shape[1]))
 
   def extend_tree(self, params, tokens, tree, cache):
     """Tree attention masks over the cache; see `speclm.protocol.LanguageModel.extend_tree`."""
