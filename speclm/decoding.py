@@ -37,10 +37,10 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
   * Adaptive γ (`gamma=adaptive.AdaptiveGamma(...)`): before step 1 the rule picks the round's
     γ ∈ [0, γ_max] from each row's running α (`speclm.adaptive`). The draft then proposes
     k ≤ γ_max tokens (a while loop, `_draft_adaptive`), and the target verifies k+1 tokens
-    and Algorithm 1 accepts among the k, one of γ_max+1 compiled widths chosen by
-    `lax.switch` (a target on the CPU kernels verifies at the width γ_max+1 before the switch,
-    told to skip the positions past k+1: `protocol.LanguageModel.extend_live`). When γ = 0 the draft sits the round out (`lax.cond` in `_draft_step`;
-    unless `max_skip` = 0). The loop keeps the last W = max_skip + 2 tokens (`recent`,
+    and Algorithm 1 accepts among the k, at one of γ_max+1 widths chosen by `lax.switch` (a
+    target on the CPU kernels verifies at γ_max+1 before it, told to skip the positions past
+    k+1: `extend_live`). When γ = 0 the draft sits out (`lax.cond` in `_draft_step`; unless
+    `max_skip` = 0). The loop keeps the last W = max_skip + 2 tokens (`recent`,
     updated by `_track_drafting`); when the draft next runs it rolls back to C−g and re-feeds
     the g = skipped+2 tokens it has not read instead of [s_{C−2}, s_{C−1}] (`_catch_up`),
     or, after more than max_skip rounds out, re-reads the whole sequence

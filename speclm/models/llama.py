@@ -334,11 +334,11 @@ class LlamaModule(nn.Module):
     position lengths + depth, attending to the committed prefix and its ancestors. With
     `tap_layers`, a third result: the hidden states after each of those decoder layers,
     concatenated `[B, K, len(tap_layers) · D]`. `fresh` promises an empty cache (every length
-    0, a prompt): attention then runs among the K tokens only (`speclm.models.attention.prompt_attention`).
-    `live` `[B, K]` bool (a chain): the positions needed (`Llama.extend_live`). The others
-    start from a zero hidden state and see no slot, so they stay zero through every layer
-    (norms, products and activations of zero are zero; attention that sees nothing is 0),
-    which the CPU kernels skip (speclm/kernels/zero_rows.h)."""
+    0, a prompt): attention then runs among the K tokens only
+    (`speclm.models.attention.prompt_attention`). `live` `[B, K]` bool (a chain): the
+    positions needed (`Llama.extend_live`). The others start from a zero hidden state and see
+    no slot, so they stay zero through every layer (norms, products and activations of zero
+    are zero; attention that sees nothing is 0), which the CPU kernels skip (zero_rows.h)."""
     dt = jnp.dtype(self.config.dtype)
     if tree is None:
       positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
