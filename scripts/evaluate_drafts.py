@@ -7,14 +7,14 @@ draft and temperature, α, τ (tokens per target call) and the speedup per Spec-
 overall, α on MT-bench + QA together (the issue's measure of a draft alone), and the demo's.
 
 Drafts (--drafts):
-  eagle_lookup   an EAGLE-3 draft file (--eagle_path; none ships yet) behind prompt lookup
+  eagle_lookup   the EAGLE-3 draft behind prompt lookup (the shipped file, or --eagle_path)
   eagle          the same draft alone
-  draft_lookup   the 2-layer token draft behind prompt lookup (the earlier default)
+  draft_lookup   the 2-layer token draft behind prompt lookup (the demo's default)
   draft          the 2-layer draft alone
 
   python scripts/evaluate_drafts.py \
       --spec_bench_file=../shared/data/spec_bench/question.jsonl --per_category=4 \
-      --drafts=draft_lookup,eagle --eagle_path=/tmp/sharegpt/draft/eagle.safetensors
+      --drafts=eagle_lookup,draft_lookup,eagle,draft --speculative_only_drafts=eagle,draft
   python scripts/evaluate_drafts.py --spec_bench_file=… --report_only   # tables from the dirs
 
 Spec-Bench's questions are evaluation data: nothing here trains or tunes on them.
@@ -45,7 +45,7 @@ _WORKLOADS = flags.DEFINE_list('workloads', ['spec_bench', 'demo'], 'spec_bench 
 _EAGLE_PATH = flags.DEFINE_string('eagle_path', None,
                                   'The EAGLE-3 draft file, e.g. what'
                                   ' scripts/train_sharegpt_draft.py wrote (None: the shipped'
-                                  ' one, once one ships).')
+                                  ' one).')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', '/tmp/speclm_evaluate_drafts',
                                   'Where the jobs write (one directory per workload and draft).')
 _DOC = flags.DEFINE_string('doc', os.path.join(os.path.dirname(os.path.dirname(
@@ -56,6 +56,10 @@ _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'New tokens per Spec-Benc
 _SPECULATIVE_ONLY = flags.DEFINE_bool('speculative_only', False,
                                       'Decode with the draft only (mode speculative): α and τ'
                                       ' without the baseline, so no speedup; half the time.')
+_SPECULATIVE_ONLY_DRAFTS = flags.DEFINE_list(
+    'speculative_only_drafts', [],
+    'Drafts of --drafts that run as --speculative_only does (e.g. the drafts alone, measured'
+    ' for α), while the others are compared with the baseline.')
 
 HEADING = '## Where a user meets them: Spec-Bench and the demo'
 DRAFTS = {
@@ -77,6 +81,12 @@ def draft_bindings(name: str) -> list[str]:
   return ['DRAFT = @smollm2_draft_model', f'smollm2_draft_model.lookup_min_ngram = {min_ngram}']
 
 
+def label(draft: str) -> str:
+  """The draft's name in the tables: an EAGLE-3 draft is the shipped one unless --eagle_path."""
+  name = DRAFTS[draft][0]
+  return name if _EAGLE_PATH.value else name.replace('(--eagle_path)', '(shipped)')
+
+
 def job_dir(workload: str, draft: str) -> str:
   return os.path.join(_OUTPUT_DIR.value, f'{workload}_{draft}')
 
@@ -86,7 +96,7 @@ def run_jobs(workload: str, draft: str) -> None:
   temperatures = ', '.join(f'{float(t)}' for t in _TEMPERATURES.value)
   bindings = [*draft_bindings(draft), f"OUTPUT_DIR = '{job_dir(workload, draft)}'",
               f'run_sweep.temperatures = [{temperatures}]']
-  if _SPECULATIVE_ONLY.value:
+  if _SPECULATIVE_ONLY.value or draft in _SPECULATIVE_ONLY_DRAFTS.value:
     bindings.append("run_job.mode = 'speculative'")
   if workload == 'spec_bench':
     files = ['runs/spec_bench.gin']
@@ -95,7 +105,7 @@ def run_jobs(workload: str, draft: str) -> None:
                  f'MAX_NEW_TOKENS = {_MAX_NEW.value}']
   else:
     files = ['demo.gin']
-  print(f'\n##### {workload}, {DRAFTS[draft][0]}', flush=True)
+  print(f'\n##### {workload}, {label(draft)}', flush=True)
   run.parse_gin(files, bindings)
   try:
     run.run_sweep()  # pylint: disable=no-value-for-parameter
@@ -145,7 +155,7 @@ def spec_bench_table(results: dict[str, dict[float, dict]]) -> list[str]:
       table = result['metrics'].get('by_category') or {}
       for task, row in table.items():
         name = f'**{task}**' if task == 'overall' else task
-        lines.append(f'| {DRAFTS[draft][0]} | {t:g} | {name} | {_f(row.get("alpha"), ".3f")} |'
+        lines.append(f'| {label(draft)} | {t:g} | {name} | {_f(row.get("alpha"), ".3f")} |'
                      f' {_f(row.get("tokens_per_target_call"))} |'
                      f' {_x(row.get("speedup"))} |')
   return lines
@@ -162,7 +172,7 @@ def summary_table(spec: dict, demo: dict) -> list[str]:
       overall = (s['metrics'].get('by_category') or {}).get('overall', {}) if s else {}
       c = ((s or d or {}).get('metrics') or {}).get('c')
       lines.append(
-          f'| {DRAFTS[draft][0]} | {t:g} |'
+          f'| {label(draft)} | {t:g} |'
           f' {_f(_alpha(s["records"], ALONE_MEASURE) if s else None, ".3f")} |'
           f' {_f(overall.get("alpha"), ".3f")} | {_x(overall.get("speedup"))} |'
           f' {_f(d["metrics"].get("alpha") if d else None, ".3f")} |'
@@ -209,7 +219,7 @@ def write_section(text: str) -> None:
 
 def main(argv):
   del argv
-  unknown = [d for d in _DRAFTS.value if d not in DRAFTS]
+  unknown = [d for d in _DRAFTS.value + _SPECULATIVE_ONLY_DRAFTS.value if d not in DRAFTS]
   if unknown:
     raise app.UsageError(f'--drafts: unknown {unknown}; choose from {sorted(DRAFTS)}.')
   started = time.time()

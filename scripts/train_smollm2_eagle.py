@@ -45,6 +45,7 @@ generation with requests on passages added, then this script; then α on the CPU
 from __future__ import annotations
 
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -298,8 +299,9 @@ def load_data(layers):
         soft = [(p, i) for p, i in zip(labels['probs'], labels['ids'])]
     with np.load(shard) as data, np.load(feat) as f:
       replies = (data['loss_mask'] if 'loss_mask' in data else data['prompt_lengths'])
-      rows = [(row[:n], h[:n], p[:n] if p.ndim else p,
-               None if s is None else (s[0][:n], s[1][:n]))
+      # Copies of the filled positions: a slice would keep its shard's whole padded array.
+      rows = [(row[:n].copy(), h[:n].copy(), p[:n].copy() if p.ndim else p,
+               None if s is None else (s[0][:n].copy(), s[1][:n].copy()))
               for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
                                          replies, soft)]
     own = os.path.basename(shard).startswith('gen_own_')
@@ -657,7 +659,15 @@ def _data(m: dict) -> str:
           f" features at every position ({m['tokens_per_epoch']:,} tokens per epoch)")
 
 
-def model_card(m: dict, file_bytes: int) -> str:
+def _positions(m: dict) -> str:
+  """', N positions seen' where the run recorded them."""
+  return f", {m['positions_seen']:,} positions seen" if m.get('positions_seen') else ''
+
+
+def model_card(m: dict, path: str) -> str:
+  """MODEL_CARD.md for the draft file at `path`, from its run's metadata `m`."""
+  with open(path, 'rb') as f:
+    sha256 = hashlib.sha256(f.read()).hexdigest()
   rows = '\n'.join(
       f'| {label} | {m[key]["alpha_t0"]:.3f} | {m[key]["tokens_per_call_t0"]:.2f} |'
       f' {m[key]["alpha_t1"]:.3f} | {m[key]["tokens_per_call_t1"]:.2f} |'
@@ -665,12 +675,14 @@ def model_card(m: dict, file_bytes: int) -> str:
                                       ' absent from training)'),
                          ('demo', f'{m["demo"]["prompts"]} demo prompts')))
   table = '\n'.join(f'| {name} | {value} |' for name, value in [
-      ('file', f'`{smollm2_draft.EAGLE_FILE}`, {file_bytes / 1e6:.1f} MB (bfloat16)'),
+      ('file', f'`{os.path.basename(path)}`, {os.path.getsize(path) / 1e6:.1f} MB (bfloat16),'
+               f' sha256 `{sha256}`'),
       ('architecture', _architecture(m)),
       ('target', m['target']),
       ('data', _data(m)),
       ('training', f"{m['steps']} steps of AdamW, batch {m['batch_size']}, peak learning rate"
-                   f" {m['learning_rate']}, {m['epochs']} epochs; {_loss(m)}; argmax accuracy"
+                   f" {m['learning_rate']}, {m['epochs']} epochs"
+                   f"{_positions(m)}; {_loss(m)}; argmax accuracy"
                    " on the replies of the held-out data shard, teacher-forced,"
                    f" {m['heldout_accuracy']:.3f}"),
       ('seed', m['seed']),
@@ -718,7 +730,13 @@ def _recorded_seconds(layers) -> tuple[float, float]:
 def _hardware() -> str:
   device = jax.devices()[0]
   if device.platform == 'cpu':
-    return f'{os.cpu_count()} CPU cores'
+    try:
+      with open('/proc/cpuinfo', encoding='utf-8') as f:
+        name = next((line.split(':', 1)[1].strip() for line in f
+                     if line.startswith('model name')), None)
+    except OSError:
+      name = None
+    return f'{os.cpu_count()} CPU cores' + (f' ({name})' if name else '')
   return f'one {device.device_kind}'
 
 
@@ -762,7 +780,7 @@ def main(argv):
   metadata = evaluate(target, tok, trained, head_ids, metadata)
   smollm2_draft.save(path, trained, head_ids, metadata)
   with open(os.path.join(_OUTPUT_DIR.value, 'MODEL_CARD.md'), 'w', encoding='utf-8') as f:
-    f.write(model_card(metadata, os.path.getsize(path)))
+    f.write(model_card(metadata, path))
   logging.info('wrote %s and its model card', path)
 
 

@@ -207,9 +207,9 @@ def test_negative_lookup_min_ngram_is_a_job_error_before_loading(monkeypatch):
     providers.smollm2_eagle_draft_model(lookup_min_ngram=-1)
 
 
-def test_no_shipped_eagle_draft_is_a_job_error(monkeypatch, tmp_path):
+def test_a_missing_eagle_draft_is_a_job_error(monkeypatch, tmp_path):
   monkeypatch.setattr(smollm2_draft, 'EAGLE_DIR', str(tmp_path))
-  with pytest.raises(JobError, match='No EAGLE-style draft ships'):
+  with pytest.raises(JobError, match='The shipped EAGLE-3 draft is missing'):
     providers.smollm2_eagle_draft_model()
   with pytest.raises(JobError, match='does not exist'):
     providers.smollm2_eagle_draft_model(str(tmp_path / 'missing.safetensors'))

@@ -5,9 +5,10 @@ analysis and the job:
 
   * `smollm2`: SmolLM2-135M-Instruct, the embedded default target (GGUF from a pip package),
     and its tokenizer;
-  * `smollm2_draft`: the trained subset-vocabulary Llama draft shipped for it in
-    `speclm/assets/smollm2_draft/` (`load`), and `load_eagle` for an EAGLE-style draft trained
-    by `scripts/train_smollm2_eagle.py` (none is shipped: give its path);
+  * `smollm2_draft`: the drafts shipped for it: the demo's, a trained subset-vocabulary Llama
+    in `speclm/assets/smollm2_draft/` (`load`), and an EAGLE-3 draft in
+    `speclm/assets/smollm2_eagle/` (`load_eagle`, which also reads any file
+    `scripts/train_smollm2_eagle.py` wrote);
   * `t5`: a T5 whose parameters are restored from a checkpoint path (Hugging Face directory,
     T5X Orbax or legacy T5X), `load_t5(config, checkpoint_path)`.
 

@@ -1,4 +1,9 @@
-"""The trained draft shipped for SmolLM2-135M-Instruct (the embedded default's M_q).
+"""The trained drafts shipped for SmolLM2-135M-Instruct.
+
+`load` gives the embedded default's M_q, a token-only draft (below). `load_eagle` gives an
+EAGLE-3 draft (`speclm.models.eagle`, one layer that reads SmolLM2's hidden states after layers
+2, 15 and 27) in `speclm/assets/smollm2_eagle/`, made by `scripts/train_sharegpt_draft.py` (its
+MODEL_CARD.md describes the run).
 
 A small Llama (a few layers of SmolLM2's width) whose head covers only the S most frequent
 tokens of SmolLM2's replies (q̃ = 0 elsewhere, see `subset_vocab`). It reuses the target's

@@ -406,8 +406,8 @@ def _behind_lookup_first(load_draft: Callable[[], protocol.Model],
 def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
                               lookup_min_ngram: int = 0) -> protocol.Model:
   """An EAGLE-style draft for SmolLM2-135M that reads the target's features
-  (`speclm.presets.smollm2_draft.load_eagle`): a file `scripts/train_smollm2_eagle.py` wrote,
-  or (path None) the one shipped in speclm/assets/smollm2_eagle/ once one ships.
+  (`speclm.presets.smollm2_draft.load_eagle`): the EAGLE-3 draft shipped in
+  speclm/assets/smollm2_eagle/ (path None), or a file `scripts/train_smollm2_eagle.py` wrote.
 
   `cpu_kernels` and `lookup_min_ngram` as for `smollm2_draft_model` (prompt lookup first,
   the feature draft elsewhere: `speclm.models.lookup.LookupFirstWithFeatures`).
@@ -417,9 +417,9 @@ def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
   if path is None:
     path = os.path.join(smollm2_draft.EAGLE_DIR, smollm2_draft.EAGLE_FILE)
     if not os.path.exists(path):
-      raise JobError('No EAGLE-style draft ships with speclm yet: train one with'
-                     ' scripts/train_smollm2_eagle.py and set smollm2_eagle_draft_model.path'
-                     ' to its file (or use @smollm2_draft_model).')
+      raise JobError(f'The shipped EAGLE-3 draft is missing ({path}): reinstall speclm, or'
+                     ' set smollm2_eagle_draft_model.path to a file'
+                     ' scripts/train_smollm2_eagle.py wrote (or use @smollm2_draft_model).')
   errors.check_path(path, 'SmolLM2 EAGLE draft')
   return _behind_lookup_first(
       lambda: smollm2_draft.load_eagle(smollm2.load_model(), path, cpu_kernels),
