@@ -34,6 +34,7 @@ from absl import flags
 import speclm  # pylint: disable=unused-import  (registers the gin configurables)
 from speclm import outputs as outputs_lib
 from speclm import run
+from speclm.analysis import benchmarking
 
 _SPEC_BENCH_FILE = flags.DEFINE_string('spec_bench_file', None,
                                        "Spec-Bench's question.jsonl.", required=True)
@@ -195,12 +196,7 @@ def section(spec: dict, demo: dict, seconds: float) -> str:
 
 
 def _cpu_name() -> str:
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
-    return f'{names[0]}, {os.cpu_count()} cores' if names else f'{os.cpu_count()} cores'
-  except OSError:
-    return f'{os.cpu_count()} cores'
+  return f'{benchmarking.cpu_name()}, {os.cpu_count()} cores'
 
 
 def write_section(text: str) -> None:

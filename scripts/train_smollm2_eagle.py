@@ -62,6 +62,7 @@ from absl import flags
 from absl import logging
 
 import speclm
+from speclm.analysis import benchmarking
 from speclm.data import builtin_prompts
 from speclm.data import draft_shards
 from speclm.models import eagle
@@ -730,13 +731,7 @@ def _recorded_seconds(layers) -> tuple[float, float]:
 def _hardware() -> str:
   device = jax.devices()[0]
   if device.platform == 'cpu':
-    try:
-      with open('/proc/cpuinfo', encoding='utf-8') as f:
-        name = next((line.split(':', 1)[1].strip() for line in f
-                     if line.startswith('model name')), None)
-    except OSError:
-      name = None
-    return f'{os.cpu_count()} CPU cores' + (f' ({name})' if name else '')
+    return f'{os.cpu_count()} CPU cores ({benchmarking.cpu_name()})'
   return f'one {device.device_kind}'
 
 

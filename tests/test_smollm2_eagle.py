@@ -1,6 +1,7 @@
-"""The shipped EAGLE-3 draft for SmolLM2 (speclm/assets/smollm2_eagle, `@smollm2_eagle_draft_model`):
-its file matches its model card (hash, sizes, shapes), greedy decoding with it equals the
-target's own, and speculative sampling with its real q̃ leaves the target's p̃ (χ²)."""
+"""The shipped EAGLE-3 draft for SmolLM2 (speclm/assets/smollm2_eagle,
+`@smollm2_eagle_draft_model`): its file matches its model card (hash, sizes, shapes), greedy
+decoding with it equals the target's own, and speculative sampling with its real q̃ leaves the
+target's p̃ (χ²)."""
 
 import hashlib
 import os
@@ -101,7 +102,8 @@ def test_sampling_with_the_drafts_real_distributions_is_exact(target):
   prompt = tok.encode_chat(builtin_prompts.heldout_prompts(1)[0])
   reply = speclm.autoregressive_decode(target, np.asarray([prompt]), np.asarray([len(prompt)]),
                                        max_new_tokens=3).tokens
-  target_logits, draft_logits = measure._teacher_forced_with_features(  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  target_logits, draft_logits = measure._teacher_forced_with_features(
       feature_target.definition, draft.definition, feature_target.params, draft.params,
       jnp.asarray([prompt]), jnp.asarray([len(prompt)]), jnp.asarray(reply))
   p = jax.nn.softmax(target_logits[0, 1])
