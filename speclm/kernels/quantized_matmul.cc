@@ -4,11 +4,13 @@
 // the matrix exists: a 4-bit matrix streams about 0.56 bytes a weight instead of 4.
 //
 // Threads take output rows 16 at a time (`speclm::RunTasks`, parallel_tasks.h: the calling
-// thread and helpers on XLA's own thread pool). For one output row the thread widens the
-// row's K weights once into a buffer that stays in L1/L2, then takes the dot product with each
-// of the M input rows (four at a time, each widened weight used for all four). Every dot
-// product runs the same code in the same order, whatever M and whichever thread (`DotRows`),
-// so a row's result does not depend on how many rows share the call: speculative
+// thread and helpers on XLA's own thread pool). With up to five input rows (a decode step, or
+// a verification of γ ≤ 4 drafted tokens), the thread widens 64 weights of an output row at a
+// time into registers and multiplies them into every input row at once (one input row takes
+// four output rows at a time, two take two); with more input rows it widens the output row's
+// K weights once into a buffer that stays in L1/L2 and takes the input rows five at a time.
+// Every dot product runs the same code in the same order, whatever M and whichever thread
+// (`DotRows`), so a row's result does not depend on how many rows share the call: speculative
 // verification of γ + 1 rows gives the single-row decode's numbers. Float64 flushes every
 // 1,024 weights keep long sums accurate, as the float kernel's blocked sums do.
 //
@@ -103,36 +105,61 @@ inline Ints Signed16(const uint8_t* p) {
 
 inline Lanes AsFloat(Ints v) { return __builtin_convertvector(v, Lanes); }
 
-// Each format: its block's weights and bytes, and the widening of one block into 32 or 256
-// floats (the products and sums in the order of ggml's reference, so the values are equal).
+// Each format: its block's weights and bytes, and how its weights widen into vectors of 16
+// floats, with the products and sums in the order of ggml's reference, so the values are
+// equal. The 32-weight formats: `Widen32(block, dm, w)`, one block's 32 weights, its float16
+// scale d (and Q4_1's offset m) given as float32 in dm[0] (dm[1]) by `BlockScales`. The
+// K-quants: `Widen64(row, k, w)`, the row's weights k … k + 63. Widening in registers, 64
+// weights at a time, lets the products use them without a store and a reload.
 struct Q8_0 {
   static constexpr int64_t kWeights = 32, kBytes = 34;
-  static void Widen(const uint8_t* b, float* y) {
-    const float d = Half(b);
-    Store(y, d * AsFloat(Signed16(b + 2)));
-    Store(y + 16, d * AsFloat(Signed16(b + 18)));
+  static void Widen32(const uint8_t* b, const float* dm, Lanes* w) {
+    w[0] = dm[0] * AsFloat(Signed16(b + 2));
+    w[1] = dm[0] * AsFloat(Signed16(b + 18));
   }
 };
 
 struct Q4_0 {
   static constexpr int64_t kWeights = 32, kBytes = 18;
-  static void Widen(const uint8_t* b, float* y) {
-    const float d = Half(b);
+  static void Widen32(const uint8_t* b, const float* dm, Lanes* w) {
     const Ints q = Unsigned16(b + 2);
-    Store(y, d * AsFloat((q & 0xf) - 8));
-    Store(y + 16, d * AsFloat((q >> 4) - 8));
+    w[0] = dm[0] * AsFloat((q & 0xf) - 8);
+    w[1] = dm[0] * AsFloat((q >> 4) - 8);
   }
 };
 
 struct Q4_1 {
   static constexpr int64_t kWeights = 32, kBytes = 20;
-  static void Widen(const uint8_t* b, float* y) {
-    const float d = Half(b), m = Half(b + 2);
+  static void Widen32(const uint8_t* b, const float* dm, Lanes* w) {
     const Ints q = Unsigned16(b + 4);
-    Store(y, d * AsFloat(q & 0xf) + m);
-    Store(y + 16, d * AsFloat(q >> 4) + m);
+    w[0] = dm[0] * AsFloat(q & 0xf) + dm[1];
+    w[1] = dm[0] * AsFloat(q >> 4) + dm[1];
   }
 };
+
+// The two float16 values that open each of `blocks` consecutive 32-weight blocks from `first`
+// (d, and Q4_1's m; for Q8_0 and Q4_0 the second is a quant byte pair, never used) as float32:
+// dm[2b], dm[2b + 1]. Converted one by one inside the product loop, they took a load, a
+// conversion and a broadcast each: six of the fifteen vector instructions of a Q4_1 block's
+// widening and one-row product. Here sixteen blocks take one gather and two conversions.
+template <typename F>
+inline void BlockScales(const uint8_t* first, int64_t blocks, float* dm) {
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(F::kBytes)));
+  for (; b + 16 <= blocks; b += 16) {
+    const __m512i pairs = _mm512_i32gather_epi32(offsets, first + b * F::kBytes, 1);
+    _mm512_storeu_ps(dm + 2 * b, _mm512_cvtph_ps(_mm512_castsi512_si256(pairs)));
+    _mm512_storeu_ps(dm + 2 * b + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(pairs, 1)));
+  }
+#endif
+  for (; b < blocks; ++b) {
+    dm[2 * b] = Half(first + b * F::kBytes);
+    dm[2 * b + 1] = Half(first + b * F::kBytes + 2);
+  }
+}
 
 // The K-quants' 6-bit scale and min of sub-block j (0–7) from their 12 packed bytes.
 inline void ScaleMin(int j, const uint8_t* s, int* scale, int* min) {
@@ -145,138 +172,220 @@ inline void ScaleMin(int j, const uint8_t* s, int* scale, int* min) {
   }
 }
 
+// Q4_K's and Q5_K's scales of sub-blocks j and j + 1 (j even) of the block at b: their
+// weights are d1·q − c1 and d2·q − c2.
+struct SubBlockScales {
+  float d1, c1, d2, c2;
+};
+
+inline SubBlockScales ScalesOf(const uint8_t* b, int j) {
+  const float d = Half(b), dmin = Half(b + 2);
+  int s1, m1, s2, m2;
+  ScaleMin(j, b + 4, &s1, &m1);
+  ScaleMin(j + 1, b + 4, &s2, &m2);
+  return {d * s1, dmin * m1, d * s2, dmin * m2};
+}
+
+// Q4_K and Q5_K: 64 weights are sub-blocks j and j + 1 (j even), the low and the high nibbles
+// of the same 32 bytes.
 struct Q4_K {
   static constexpr int64_t kWeights = 256, kBytes = 144;
-  static void Widen(const uint8_t* b, float* y) {
-    const float d = Half(b), dmin = Half(b + 2);
-    const uint8_t* scales = b + 4;
-    const uint8_t* q = b + 16;
-    for (int j = 0; j < 8; j += 2, q += 32, y += 64) {
-      int s1, m1, s2, m2;
-      ScaleMin(j, scales, &s1, &m1);
-      ScaleMin(j + 1, scales, &s2, &m2);
-      const float d1 = d * s1, c1 = dmin * m1, d2 = d * s2, c2 = dmin * m2;
-      for (int h = 0; h < 2; ++h) {
-        const Ints v = Unsigned16(q + 16 * h);
-        Store(y + 16 * h, d1 * AsFloat(v & 0xf) - c1);
-        Store(y + 32 + 16 * h, d2 * AsFloat(v >> 4) - c2);
-      }
+  static void Widen64(const uint8_t* row, int64_t k, Lanes* w) {
+    const uint8_t* b = row + k / kWeights * kBytes;
+    const int j = static_cast<int>(k % kWeights) / 32;
+    const uint8_t* q = b + 16 + 16 * j;
+    const SubBlockScales s = ScalesOf(b, j);
+    for (int h = 0; h < 2; ++h) {
+      const Ints v = Unsigned16(q + 16 * h);
+      w[h] = s.d1 * AsFloat(v & 0xf) - s.c1;
+      w[2 + h] = s.d2 * AsFloat(v >> 4) - s.c2;
     }
   }
 };
 
 struct Q5_K {
   static constexpr int64_t kWeights = 256, kBytes = 176;
-  static void Widen(const uint8_t* b, float* y) {
-    const float d = Half(b), dmin = Half(b + 2);
-    const uint8_t* scales = b + 4;
+  static void Widen64(const uint8_t* row, int64_t k, Lanes* w) {
+    const uint8_t* b = row + k / kWeights * kBytes;
+    const int j = static_cast<int>(k % kWeights) / 32, bit = j;
     const uint8_t* high = b + 16;
-    const uint8_t* q = b + 48;
-    int bit = 0;
-    for (int j = 0; j < 8; j += 2, q += 32, y += 64, bit += 2) {
-      int s1, m1, s2, m2;
-      ScaleMin(j, scales, &s1, &m1);
-      ScaleMin(j + 1, scales, &s2, &m2);
-      const float d1 = d * s1, c1 = dmin * m1, d2 = d * s2, c2 = dmin * m2;
-      for (int h = 0; h < 2; ++h) {
-        const Ints v = Unsigned16(q + 16 * h), top = Unsigned16(high + 16 * h);
-        Store(y + 16 * h, d1 * AsFloat((v & 0xf) + (((top >> bit) & 1) << 4)) - c1);
-        Store(y + 32 + 16 * h, d2 * AsFloat((v >> 4) + (((top >> (bit + 1)) & 1) << 4)) - c2);
-      }
+    const uint8_t* q = b + 48 + 16 * j;
+    const SubBlockScales s = ScalesOf(b, j);
+    for (int h = 0; h < 2; ++h) {
+      const Ints v = Unsigned16(q + 16 * h), top = Unsigned16(high + 16 * h);
+      w[h] = s.d1 * AsFloat((v & 0xf) + (((top >> bit) & 1) << 4)) - s.c1;
+      w[2 + h] = s.d2 * AsFloat((v >> 4) + (((top >> (bit + 1)) & 1) << 4)) - s.c2;
     }
   }
 };
 
+// Q6_K: a half block (128 weights) is four runs of 32 from 64 bytes of low nibbles and 32 of
+// high bit pairs; the first 64 weights take the low nibbles, the second 64 the high ones.
 struct Q6_K {
   static constexpr int64_t kWeights = 256, kBytes = 210;
-  static void Widen(const uint8_t* b, float* y) {
-    const uint8_t* low = b;
-    const uint8_t* high = b + 128;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  static void Widen64(const uint8_t* row, int64_t k, Lanes* w) {
+    const uint8_t* b = row + k / kWeights * kBytes;
+    const int part = static_cast<int>(k % kWeights) / 64, half = part / 2, upper = part % 2;
+    const uint8_t* low = b + 64 * half;
+    const uint8_t* high = b + 128 + 32 * half;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192) + 8 * half + 4 * upper;
     const float d = Half(b + 208);
-    for (int half = 0; half < 2; ++half, low += 64, high += 32, scales += 8, y += 128) {
-      for (int h = 0; h < 2; ++h) {  // l = 16h … 16h + 15, scale index h
-        const Ints l1 = Unsigned16(low + 16 * h), l2 = Unsigned16(low + 32 + 16 * h);
-        const Ints top = Unsigned16(high + 16 * h);
-        const Ints q1 = ((l1 & 0xf) | ((top & 3) << 4)) - 32;
-        const Ints q2 = ((l2 & 0xf) | (((top >> 2) & 3) << 4)) - 32;
-        const Ints q3 = ((l1 >> 4) | (((top >> 4) & 3) << 4)) - 32;
-        const Ints q4 = ((l2 >> 4) | (((top >> 6) & 3) << 4)) - 32;
-        Store(y + 16 * h, (d * static_cast<float>(scales[h])) * AsFloat(q1));
-        Store(y + 32 + 16 * h, (d * static_cast<float>(scales[h + 2])) * AsFloat(q2));
-        Store(y + 64 + 16 * h, (d * static_cast<float>(scales[h + 4])) * AsFloat(q3));
-        Store(y + 96 + 16 * h, (d * static_cast<float>(scales[h + 6])) * AsFloat(q4));
-      }
+    for (int h = 0; h < 2; ++h) {  // l = 16h … 16h + 15, scale index h
+      const Ints l1 = Unsigned16(low + 16 * h), l2 = Unsigned16(low + 32 + 16 * h);
+      const Ints top = Unsigned16(high + 16 * h) >> (4 * upper);
+      const Ints q1 = ((upper ? l1 >> 4 : l1 & 0xf) | ((top & 3) << 4)) - 32;
+      const Ints q2 = ((upper ? l2 >> 4 : l2 & 0xf) | (((top >> 2) & 3) << 4)) - 32;
+      w[h] = (d * static_cast<float>(scales[h])) * AsFloat(q1);
+      w[2 + h] = (d * static_cast<float>(scales[h + 2])) * AsFloat(q2);
     }
   }
 };
 
+// Where a product's weights come from: a stored row widened as it is read (`Blocks`), or a
+// row widened once into a buffer (`Widened`: calls of more rows than fit in registers). Both
+// give weights k … k + 63 (`Get64`) or a row's last 32 when K is not a multiple of 64 (`Get32`,
+// 32-weight formats only: the K-quants' K is a multiple of 256).
 template <typename F>
-void WidenRow(const uint8_t* row, int64_t k_dim, float* out) {
-  const int64_t blocks = k_dim / F::kWeights;
-  for (int64_t i = 0; i < blocks; ++i) F::Widen(row + i * F::kBytes, out + i * F::kWeights);
+struct Blocks {
+  const uint8_t* row;
+  const float* dm;  // the 32-weight formats' block scales (`TaskScales`), K / 16 floats
+
+  void Get64(int64_t k, Lanes* w) const {
+    if constexpr (F::kWeights == 32) {
+      Get32(k, w);
+      Get32(k + 32, w + 2);
+    } else {
+      F::Widen64(row, k, w);
+    }
+  }
+  void Get32(int64_t k, Lanes* w) const {
+    if constexpr (F::kWeights == 32) F::Widen32(row + k / 32 * F::kBytes, dm + k / 16, w);
+  }
+};
+
+// The block scales of `rows` consecutive stored rows (consecutive blocks: a row is whole
+// blocks), converted once for a task's rows: dm + r · K / 16 holds row r's. The K-quants read
+// theirs as they widen.
+template <typename F>
+inline void TaskScales(const uint8_t* first_row, int64_t rows, int64_t k_dim, float* dm) {
+  if constexpr (F::kWeights == 32) BlockScales<F>(first_row, rows * (k_dim / 32), dm);
+}
+
+struct Widened {
+  const float* w;
+  void Get64(int64_t k, Lanes* out) const {
+    for (int i = 0; i < 4; ++i) out[i] = Load(w + k + 16 * i);
+  }
+  void Get32(int64_t k, Lanes* out) const {
+    for (int i = 0; i < 2; ++i) out[i] = Load(w + k + 16 * i);
+  }
+};
+
+// A stored row widened to float32 into out[0 … K) (`dm`: its block scales, `TaskScales`).
+template <typename F>
+void WidenRow(const uint8_t* row, int64_t k_dim, float* out, const float* dm) {
+  const Blocks<F> blocks{row, dm};
+  int64_t k = 0;
+  for (; k + 64 <= k_dim; k += 64) {
+    Lanes w[4];
+    blocks.Get64(k, w);
+    for (int i = 0; i < 4; ++i) Store(out + k + 16 * i, w[i]);
+  }
+  if (k < k_dim) {
+    Lanes w[2];
+    blocks.Get32(k, w);
+    for (int i = 0; i < 2; ++i) Store(out + k + 16 * i, w[i]);
+  }
 }
 
 typedef float HalfLanes __attribute__((vector_size(32)));
 typedef double Doubles __attribute__((vector_size(64)));
 
-// kRows dot products of input rows x[r] (kRows rows, `stride` apart) with one widened weight
-// row w over k_dim (a multiple of 32), each loaded weight used for every row. Each row's sum
-// is the same whatever kRows (the rows' lanes never mix), so it is the one summation order
-// of this file: four independent chains of 16 float32 lanes (the multiply-adds overlap instead
-// of waiting on one another), added pairwise into 16 lanes and those into 16 float64 lanes
-// every kFlushEvery weights (16 terms a lane), the float64 lanes summed in a fixed order.
-template <int kRows>
-inline void DotRows(const float* __restrict x, int64_t stride, const float* __restrict w,
+// The dot products of kRows input rows x[r] (`stride` apart) with kOuts weight rows (from
+// `sources`) over k_dim (a multiple of 32), each weight used for every input row:
+// out[o · kRows + r]. Each product's sum is the same whatever kRows, kOuts and the source (no
+// two products' lanes mix, and both sources give the same widened values), so it is the one
+// summation order of this file: four independent chains of 16 float32 lanes (the multiply-adds
+// overlap instead of waiting on one another), added pairwise into 16 lanes and those into 16
+// float64 lanes every kFlushEvery weights (16 terms a lane), the float64 lanes summed in a
+// fixed order.
+template <int kRows, int kOuts, typename Source>
+inline void DotRows(const float* __restrict x, int64_t stride, const Source* sources,
                     int64_t k_dim, float* out) {
-  Doubles lo[kRows] = {}, hi[kRows] = {};
+  Doubles lo[kOuts][kRows] = {}, hi[kOuts][kRows] = {};
   for (int64_t k0 = 0; k0 < k_dim; k0 += kFlushEvery) {
     const int64_t k1 = std::min(k0 + kFlushEvery, k_dim);
-    Lanes a[kRows][4] = {};
+    Lanes a[kOuts][kRows][4] = {};
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {
-      const Lanes w0 = Load(w + k), w1 = Load(w + k + 16), w2 = Load(w + k + 32),
-                  w3 = Load(w + k + 48);
-      for (int r = 0; r < kRows; ++r) {
-        const float* xr = x + r * stride + k;
-        a[r][0] += Load(xr) * w0;
-        a[r][1] += Load(xr + 16) * w1;
-        a[r][2] += Load(xr + 32) * w2;
-        a[r][3] += Load(xr + 48) * w3;
+      for (int o = 0; o < kOuts; ++o) {
+        Lanes w[4];
+        sources[o].Get64(k, w);
+        for (int r = 0; r < kRows; ++r) {
+          const float* xr = x + r * stride + k;
+          a[o][r][0] += Load(xr) * w[0];
+          a[o][r][1] += Load(xr + 16) * w[1];
+          a[o][r][2] += Load(xr + 32) * w[2];
+          a[o][r][3] += Load(xr + 48) * w[3];
+        }
       }
     }
     if (k < k1) {  // a last 32
-      const Lanes w0 = Load(w + k), w1 = Load(w + k + 16);
-      for (int r = 0; r < kRows; ++r) {
-        a[r][0] += Load(x + r * stride + k) * w0;
-        a[r][1] += Load(x + r * stride + k + 16) * w1;
+      for (int o = 0; o < kOuts; ++o) {
+        Lanes w[2];
+        sources[o].Get32(k, w);
+        for (int r = 0; r < kRows; ++r) {
+          a[o][r][0] += Load(x + r * stride + k) * w[0];
+          a[o][r][1] += Load(x + r * stride + k + 16) * w[1];
+        }
       }
     }
-    for (int r = 0; r < kRows; ++r) {
-      const Lanes sum = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
-      HalfLanes first, second;
-      std::memcpy(&first, &sum, sizeof(first));
-      std::memcpy(&second, reinterpret_cast<const char*>(&sum) + sizeof(first), sizeof(second));
-      lo[r] += __builtin_convertvector(first, Doubles);
-      hi[r] += __builtin_convertvector(second, Doubles);
-    }
+    for (int o = 0; o < kOuts; ++o)
+      for (int r = 0; r < kRows; ++r) {
+        const Lanes sum = (a[o][r][0] + a[o][r][1]) + (a[o][r][2] + a[o][r][3]);
+        HalfLanes first, second;
+        std::memcpy(&first, &sum, sizeof(first));
+        std::memcpy(&second, reinterpret_cast<const char*>(&sum) + sizeof(first),
+                    sizeof(second));
+        lo[o][r] += __builtin_convertvector(first, Doubles);
+        hi[o][r] += __builtin_convertvector(second, Doubles);
+      }
   }
-  for (int r = 0; r < kRows; ++r) {
-    const Doubles t = lo[r] + hi[r];
-    out[r] = static_cast<float>(((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])));
+  for (int o = 0; o < kOuts; ++o)
+    for (int r = 0; r < kRows; ++r) {
+      const Doubles t = lo[o][r] + hi[o][r];
+      out[o * kRows + r] = static_cast<float>(((t[0] + t[1]) + (t[2] + t[3])) +
+                                              ((t[4] + t[5]) + (t[6] + t[7])));
+    }
+}
+
+// Up to kMaxRowsInRegisters input rows take their products in one pass over the stored row,
+// its blocks widened in registers (20 partial sums and 4 widened vectors of the 32 vector
+// registers); more rows share a row widened once into a buffer.
+constexpr int64_t kMaxRowsInRegisters = 5;
+
+template <typename Source>
+inline void DotSomeRows(const float* x, int64_t m, int64_t k_dim, const Source& source,
+                        float* out) {
+  switch (m) {
+    case 1: return DotRows<1, 1>(x, k_dim, &source, k_dim, out);
+    case 2: return DotRows<2, 1>(x, k_dim, &source, k_dim, out);
+    case 3: return DotRows<3, 1>(x, k_dim, &source, k_dim, out);
+    case 4: return DotRows<4, 1>(x, k_dim, &source, k_dim, out);
+    default: return DotRows<5, 1>(x, k_dim, &source, k_dim, out);
   }
 }
 
-// Every input row's dot product with the widened weight row w, four rows at a time.
-inline void DotAllRows(const float* x, int64_t m, int64_t k_dim, const float* w, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= m; r += 4) DotRows<4>(x + r * k_dim, k_dim, w, k_dim, out + r);
-  switch (m - r) {
-    case 3: DotRows<3>(x + r * k_dim, k_dim, w, k_dim, out + r); break;
-    case 2: DotRows<2>(x + r * k_dim, k_dim, w, k_dim, out + r); break;
-    case 1: DotRows<1>(x + r * k_dim, k_dim, w, k_dim, out + r); break;
-    default: break;
-  }
+// Every input row's dot product with one stored weight row.
+// `dm`: the row's block scales (`TaskScales`); `buffer`: K floats.
+template <typename F>
+inline void DotAllRows(const float* x, int64_t m, int64_t k_dim, const uint8_t* row,
+                       const float* dm, float* buffer, float* out) {
+  if (m <= kMaxRowsInRegisters) return DotSomeRows(x, m, k_dim, Blocks<F>{row, dm}, out);
+  WidenRow<F>(row, k_dim, buffer, dm);
+  for (int64_t r = 0; r < m; r += kMaxRowsInRegisters)
+    DotSomeRows(x + r * k_dim, std::min(kMaxRowsInRegisters, m - r), k_dim, Widened{buffer},
+                out + r);
 }
 
 template <typename F>
@@ -300,12 +409,37 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   speclm::ZeroDeadRows(live, x_dims[0], n, y_data);
   if (m == 0) return ffi::Error::Success();
   speclm::RunTasks(pool, n, kRowsPerTask, [=](int64_t first, int64_t end) {
-    thread_local std::vector<float> widened, dots;
+    thread_local std::vector<float> widened, scales, dots;
     if (static_cast<int64_t>(widened.size()) < k_dim) widened.resize(k_dim);
+    if (static_cast<int64_t>(scales.size()) < kRowsPerTask * k_dim / 16)
+      scales.resize(kRowsPerTask * k_dim / 16);
     if (static_cast<int64_t>(dots.size()) < m) dots.resize(m);
-    for (int64_t row = first; row < end; ++row) {
-      WidenRow<F>(w_data + row * row_bytes, k_dim, widened.data());
-      DotAllRows(x_data, m, k_dim, widened.data(), dots.data());
+    TaskScales<F>(w_data + first * row_bytes, end - first, k_dim, scales.data());
+    const auto source = [&](int64_t r) {
+      return Blocks<F>{w_data + r * row_bytes, scales.data() + (r - first) * (k_dim / 16)};
+    };
+    // Four output rows at a time for one input row, two for two: more independent sums in
+    // flight and less fixed work per output row (1.16x and 1.34x for SmolLM2's Q4_1 layers).
+    int64_t row = first;
+    float outs[4];
+    if (m == 1) {
+      for (; row + 4 <= end; row += 4) {
+        const Blocks<F> four[4] = {source(row), source(row + 1), source(row + 2),
+                                   source(row + 3)};
+        DotRows<1, 4>(x_data, k_dim, four, k_dim, outs);
+        for (int o = 0; o < 4; ++o) y_data[row_index[0] * n + row + o] = outs[o];
+      }
+    } else if (m == 2) {
+      for (; row + 2 <= end; row += 2) {
+        const Blocks<F> two[2] = {source(row), source(row + 1)};
+        DotRows<2, 2>(x_data, k_dim, two, k_dim, outs);
+        for (int o = 0; o < 2; ++o)
+          for (int64_t r = 0; r < 2; ++r) y_data[row_index[r] * n + row + o] = outs[o * 2 + r];
+      }
+    }
+    for (; row < end; ++row) {
+      DotAllRows<F>(x_data, m, k_dim, w_data + row * row_bytes,
+                    scales.data() + (row - first) * (k_dim / 16), widened.data(), dots.data());
       for (int64_t r = 0; r < m; ++r) y_data[row_index[r] * n + row] = dots[r];
     }
   });
@@ -325,8 +459,13 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
   const uint8_t* w_data = w.typed_data();
   float* y_data = y->typed_data();
   speclm::RunTasks(pool, w_dims[0], kRowsPerTask, [=](int64_t first, int64_t end) {
+    thread_local std::vector<float> scales;
+    if (static_cast<int64_t>(scales.size()) < kRowsPerTask * k_dim / 16)
+      scales.resize(kRowsPerTask * k_dim / 16);
+    TaskScales<F>(w_data + first * row_bytes, end - first, k_dim, scales.data());
     for (int64_t row = first; row < end; ++row)
-      WidenRow<F>(w_data + row * row_bytes, k_dim, y_data + row * k_dim);
+      WidenRow<F>(w_data + row * row_bytes, k_dim, y_data + row * k_dim,
+                  scales.data() + (row - first) * (k_dim / 16));
   });
   return ffi::Error::Success();
 }
