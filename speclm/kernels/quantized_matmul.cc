@@ -281,10 +281,9 @@ struct Widened {
   }
 };
 
-// A stored row widened to float32 into out[0 … K) (`dm`: its block scales, `TaskScales`).
+// A stored row widened to float32 into out[0 … K).
 template <typename F>
-void WidenRow(const uint8_t* row, int64_t k_dim, float* out, const float* dm) {
-  const Blocks<F> blocks{row, dm};
+void WidenRow(const Blocks<F>& blocks, int64_t k_dim, float* out) {
   int64_t k = 0;
   for (; k + 64 <= k_dim; k += 64) {
     Lanes w[4];
@@ -376,16 +375,32 @@ inline void DotSomeRows(const float* x, int64_t m, int64_t k_dim, const Source& 
   }
 }
 
-// Every input row's dot product with one stored weight row.
-// `dm`: the row's block scales (`TaskScales`); `buffer`: K floats.
+// Every input row's dot product with one stored weight row (`buffer`: K floats).
 template <typename F>
-inline void DotAllRows(const float* x, int64_t m, int64_t k_dim, const uint8_t* row,
-                       const float* dm, float* buffer, float* out) {
-  if (m <= kMaxRowsInRegisters) return DotSomeRows(x, m, k_dim, Blocks<F>{row, dm}, out);
-  WidenRow<F>(row, k_dim, buffer, dm);
+inline void DotAllRows(const float* x, int64_t m, int64_t k_dim, const Blocks<F>& row,
+                       float* buffer, float* out) {
+  if (m <= kMaxRowsInRegisters) return DotSomeRows(x, m, k_dim, row, out);
+  WidenRow(row, k_dim, buffer);
   for (int64_t r = 0; r < m; r += kMaxRowsInRegisters)
     DotSomeRows(x + r * k_dim, std::min(kMaxRowsInRegisters, m - r), k_dim, Widened{buffer},
                 out + r);
+}
+
+// Output rows [row, end) kOuts at a time, for all kRows input rows (y [M, n], input row r
+// at y's row_index[r]): more independent sums in flight and less fixed work per output row.
+// Returns the first output row it left (fewer than kOuts).
+template <int kRows, int kOuts, typename SourceOf>
+inline int64_t DotOutputGroups(const float* x, int64_t k_dim, SourceOf source, int64_t row,
+                               int64_t end, const int64_t* row_index, int64_t n, float* y) {
+  for (; row + kOuts <= end; row += kOuts) {
+    decltype(source(row)) group[kOuts];
+    for (int o = 0; o < kOuts; ++o) group[o] = source(row + o);
+    float outs[kOuts * kRows];
+    DotRows<kRows, kOuts>(x, k_dim, group, k_dim, outs);
+    for (int o = 0; o < kOuts; ++o)
+      for (int r = 0; r < kRows; ++r) y[row_index[r] * n + row + o] = outs[o * kRows + r];
+  }
+  return row;
 }
 
 template <typename F>
@@ -418,28 +433,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     const auto source = [&](int64_t r) {
       return Blocks<F>{w_data + r * row_bytes, scales.data() + (r - first) * (k_dim / 16)};
     };
-    // Four output rows at a time for one input row, two for two: more independent sums in
-    // flight and less fixed work per output row.
+    // One input row takes four output rows at a time, two take two.
     int64_t row = first;
-    float outs[4];
-    if (m == 1) {
-      for (; row + 4 <= end; row += 4) {
-        const Blocks<F> four[4] = {source(row), source(row + 1), source(row + 2),
-                                   source(row + 3)};
-        DotRows<1, 4>(x_data, k_dim, four, k_dim, outs);
-        for (int o = 0; o < 4; ++o) y_data[row_index[0] * n + row + o] = outs[o];
-      }
-    } else if (m == 2) {
-      for (; row + 2 <= end; row += 2) {
-        const Blocks<F> two[2] = {source(row), source(row + 1)};
-        DotRows<2, 2>(x_data, k_dim, two, k_dim, outs);
-        for (int o = 0; o < 2; ++o)
-          for (int64_t r = 0; r < 2; ++r) y_data[row_index[r] * n + row + o] = outs[o * 2 + r];
-      }
-    }
+    if (m == 1) row = DotOutputGroups<1, 4>(x_data, k_dim, source, row, end, row_index, n, y_data);
+    if (m == 2) row = DotOutputGroups<2, 2>(x_data, k_dim, source, row, end, row_index, n, y_data);
     for (; row < end; ++row) {
-      DotAllRows<F>(x_data, m, k_dim, w_data + row * row_bytes,
-                    scales.data() + (row - first) * (k_dim / 16), widened.data(), dots.data());
+      DotAllRows(x_data, m, k_dim, source(row), widened.data(), dots.data());
       for (int64_t r = 0; r < m; ++r) y_data[row_index[r] * n + row] = dots[r];
     }
   });
@@ -464,8 +463,8 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
       scales.resize(kRowsPerTask * k_dim / 16);
     TaskScales<F>(w_data + first * row_bytes, end - first, k_dim, scales.data());
     for (int64_t row = first; row < end; ++row)
-      WidenRow<F>(w_data + row * row_bytes, k_dim, y_data + row * k_dim,
-                  scales.data() + (row - first) * (k_dim / 16));
+      WidenRow(Blocks<F>{w_data + row * row_bytes, scales.data() + (row - first) * (k_dim / 16)},
+               k_dim, y_data + row * k_dim);
   });
   return ffi::Error::Success();
 }
