@@ -104,8 +104,9 @@ _HF = flags.DEFINE_bool('hf', True, 'Include Hugging Face transformers cases.')
 _ADAPTIVE = flags.DEFINE_bool('adaptive', True, 'Include the adaptive-γ cases.')
 _MAX_GAMMA = flags.DEFINE_integer('max_gamma', 4, 'γ_max of the adaptive cases.')
 _COST_TOKENS = flags.DEFINE_integer(
-    'cost_tokens', 32, 'New tokens per timed decode when c and r(γ) are timed for the adaptive'
-    ' cases (`calibration.measure_round_costs`); fewer for a smoke run.')
+    'cost_tokens', None, 'New tokens per timed decode when c and r(γ) are timed for the adaptive'
+    ' cases (`calibration.measure_round_costs`; default: `calibration.round_cost_tokens` of the'
+    ' context); fewer for a smoke run.')
 _COST_REPEATS = flags.DEFINE_integer(
     'cost_repeats', 3, 'Timed repeats when c and r(γ) are timed for the adaptive cases.')
 _DRAFT_STOPPING = flags.DEFINE_bool('draft_stopping', False,

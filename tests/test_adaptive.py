@@ -385,8 +385,12 @@ def test_round_costs_arithmetic(monkeypatch, target):
   loops = {}
 
   def fake_rounds(runs, repeats, **_):
-    del runs, repeats
-    return [[s] for s in [draft_step * runner_steps[0], prefill, prefill + new * step]
+    # Three repeats on a machine whose speed changes between them (all of a repeat's calls
+    # alike): each repeat's ratios, and so their median, are those of the first.
+    del runs
+    assert repeats == 3
+    return [[s * speed for speed in (1.0, 2.5, 0.7)]
+            for s in [draft_step * runner_steps[0], prefill, prefill + new * step]
             + [(1 + (draft_step / step if g else 0)) * prefill + loops[g] * round_seconds[g]
                for g in range(4)]]  # a draft that sits every round out never reads the prompt
   runner_steps = []
@@ -409,12 +413,22 @@ def test_round_costs_arithmetic(monkeypatch, target):
     return result
   monkeypatch.setattr(costs_lib.decoding, 'speculative_decode', counting)
   c, r = costs_lib.measure_round_costs(target, draft, max_gamma=3, context_length=6,
-                                       num_new_tokens=new, repeats=1, max_skip=max_skip)
+                                       num_new_tokens=new, repeats=3, max_skip=max_skip)
   assert c == pytest.approx(draft_step / step)
   expected = [round_seconds[g] / step - g * c for g in range(4)]
   expected[3] = max(expected[3], expected[2])  # lifted: a wider round never costs less
   assert r == pytest.approx(expected)
   assert set(loops) == {0, 1, 2, 3} and all(n > 0 for n in loops.values())
+
+
+def test_round_cost_tokens_grow_with_the_prompt():
+  """A timed decode makes ROUND_COST_TOKENS new tokens after a short prompt, and a quarter of
+  a long one (rounded up to 16), so that the prompt's prefill stays a small part of it."""
+  assert costs_lib.round_cost_tokens(1) == costs_lib.ROUND_COST_TOKENS == 32
+  assert costs_lib.round_cost_tokens(128) == 32
+  assert costs_lib.round_cost_tokens(129) == 48
+  assert costs_lib.round_cost_tokens(576) == 144
+  assert costs_lib.round_cost_tokens(1088) == 272
 
 
 def test_measured_costs_are_cached(tmp_path, monkeypatch, target):

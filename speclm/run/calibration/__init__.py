@@ -29,6 +29,7 @@ from speclm.run.calibration.costs import measure_costs
 from speclm.run.calibration.costs import measure_costs_cached
 from speclm.run.calibration.costs import measure_round_costs
 from speclm.run.calibration.costs import measure_verify_costs
+from speclm.run.calibration.costs import round_cost_tokens
 from speclm.run.calibration.costs import time_extend
 from speclm.run.calibration.costs import time_tree_verifications
 from speclm.run.calibration.measurements import estimate_alpha
@@ -44,6 +45,6 @@ __all__ = [
     'PolicyChoice', 'ROUND_COST_REPEATS', 'ROUND_COST_TOKENS', 'TreePolicy', 'choose',
     'cost_cache_dir', 'costs', 'default_candidates', 'estimate_alpha', 'generate_reference',
     'measure_adaptive_gamma', 'measure_costs', 'measure_costs_cached', 'measure_round_costs',
-    'measure_speedup', 'measure_verify_costs', 'measurements', 'run_report', 'time_extend',
-    'time_tree_verifications', 'tree_policy',
+    'measure_speedup', 'measure_verify_costs', 'measurements', 'round_cost_tokens', 'run_report',
+    'time_extend', 'time_tree_verifications', 'tree_policy',
 ]

@@ -8,6 +8,7 @@ verification's cost over one target step), and an adaptive-γ rule priced with t
   measure_costs_cached   the same, cached per machine (a job's Theorem 3.8 prediction)
   measure_verify_costs   c and r(0) … r(γ_max) from isolated `extend` calls
   measure_round_costs    c and r(0) … r(γ_max) timed on whole rounds of the adaptive loop
+                         (`round_cost_tokens`: how many new tokens a timed decode makes)
   measure_adaptive_gamma an `adaptive.AdaptiveGamma` priced by `measure_round_costs`, cached
                          per machine under `cost_cache_dir()` ($SPECLM_COST_CACHE)
   time_extend, time_tree_verifications   one call, or one `extend_tree` call per token tree
@@ -298,10 +299,24 @@ def measure_verify_costs(target: protocol.Model, draft: protocol.Model, *, max_g
   return per_call[0] / step, tuple(float(r) for r in verify)
 
 
-# How long `measure_round_costs` times each γ by default: new tokens per decode, and
-# interleaved repeats. `measure_adaptive_gamma` caches other settings under their own key.
+# How long `measure_round_costs` times each γ by default: new tokens per decode (at least;
+# `round_cost_tokens` gives more after a long prompt), and interleaved repeats.
+# `measure_adaptive_gamma` caches other settings under their own key.
 ROUND_COST_TOKENS = 32
 ROUND_COST_REPEATS = 3
+
+
+def round_cost_tokens(context_length: int) -> int:
+  """New tokens per timed decode after a prompt of `context_length` tokens: ROUND_COST_TOKENS,
+  or a quarter of the prompt (rounded up to 16) where that is more.
+
+  Each timed decode includes the prompt's prefill, which `measure_round_costs` subtracts. A
+  prefill grows with the prompt (576 tokens of SmolLM2-135M: 0.8–1.0 s on 2 cores, about 40
+  decode steps), so after 32 tokens the rounds were a third of each sample, and the prefill's
+  noise (±10% a sample) moved r(γ) by ±0.5 between two runs (r(4) 1.72 in one, 2.86 in the
+  next, with r(1) 0.57 beside it). A quarter of the prompt keeps the decode ≳ 3/4 of a sample.
+  """
+  return max(ROUND_COST_TOKENS, 16 * math.ceil(context_length / 64))
 
 
 def _forcing_rule(max_gamma: int, gamma: int, max_skip: int) -> adaptive.AdaptiveGamma:
@@ -315,7 +330,7 @@ def _forcing_rule(max_gamma: int, gamma: int, max_skip: int) -> adaptive.Adaptiv
 
 def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
                         batch_size: int = 1, context_length: int = 64,
-                        num_new_tokens: int = ROUND_COST_TOKENS,
+                        num_new_tokens: int | None = None,
                         repeats: int = ROUND_COST_REPEATS, max_skip: int = 3,
                         seed: int = 0) -> tuple[float, tuple[float, ...]]:
   """c and r(0) … r(γ_max) for `adaptive.AdaptiveGamma`, with r timed on whole rounds.
@@ -328,7 +343,9 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   interleaved within each of `repeats` rounds. The prompt's prefill (timed alone; the
   draft's, where it reads the prompt, is taken as c times the target's) is subtracted, the
   rest divided by the rounds the loop made (`DecodeStats.target_calls` − 1) and by the
-  baseline's time per token. That gives each round's full cost in target steps; the rule's
+  baseline's time per token, within each repeat (so that a machine slowing down between
+  repeats slows both sides of each ratio), and the median over repeats is kept. That gives
+  each round's full cost in target steps; the rule's
   draft calls are taken off it (γ·c, and for γ = 0 nothing, or c when max_skip = 0) so that
   `AdaptiveGamma.round_cost(γ)` returns the measured round cost. r(0) > 1 then holds the
   γ = 0 round's overhead over a plain step.
@@ -342,8 +359,8 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
     max_gamma: γ_max; rounds of γ = 0 … γ_max are timed.
     batch_size: B, random prompts decoded per call.
     context_length: P, their length.
-    num_new_tokens: new tokens per timed decode.
-    repeats: interleaved timed repeats; the medians are kept.
+    num_new_tokens: new tokens per timed decode; None: `round_cost_tokens(context_length)`.
+    repeats: interleaved timed repeats; the medians of their ratios are kept.
     max_skip: the rule's `max_skip` (0 for a feature-conditioned draft, whatever is given).
     seed: seeds the prompts.
 
@@ -352,6 +369,8 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   """
   if isinstance(max_gamma, bool) or not isinstance(max_gamma, (int, np.integer)) or max_gamma < 1:
     raise ValueError(f'max_gamma must be an integer >= 1, got {max_gamma!r}.')
+  if num_new_tokens is None:
+    num_new_tokens = round_cost_tokens(context_length)
   if min(batch_size, context_length, num_new_tokens, repeats) < 1:
     raise ValueError('batch_size, context_length, num_new_tokens and repeats must all be >= 1.')
   if isinstance(draft.definition, protocol.FeatureConditionedDraft):
@@ -379,17 +398,23 @@ def measure_round_costs(target: protocol.Model, draft: protocol.Model, *, max_ga
   jax.block_until_ready(runs[2]())
   rounds = [int(loop().stats.target_calls) - 1 for loop in loops]  # also warms them up
   seconds = benchmarking.interleaved_rounds([lambda _, run=run: run() for run in runs], repeats)
-  draft_s, prefill_s, baseline_s, *loop_s = (float(np.median(s)) for s in seconds)
-  return _round_costs(draft_s / draft_runner.num_steps, prefill_s, baseline_s, loop_s, rounds,
-                      num_new_tokens=num_new_tokens, max_skip=max_skip)
+  per_repeat = [
+      _round_costs(draft_s / draft_runner.num_steps, prefill_s, baseline_s, list(loop_s), rounds,
+                   num_new_tokens=num_new_tokens, max_skip=max_skip)
+      for draft_s, prefill_s, baseline_s, *loop_s in zip(*seconds)]
+  c = float(np.median([c for c, _ in per_repeat]))
+  verify = np.median([r for _, r in per_repeat], axis=0)
+  # A wider round never costs less: a noisy median that says so is lifted to the one before.
+  verify = [verify[0]] + list(np.maximum.accumulate(verify[1:]))
+  return c, tuple(float(r) for r in verify)
 
 
 def _round_costs(draft_call_s: float, prefill_s: float, baseline_s: float,
                  loop_s: list[float], rounds: list[int], *, num_new_tokens: int,
                  max_skip: int) -> tuple[float, tuple[float, ...]]:
-  """c and r(0) … r(γ_max) in baseline steps from `measure_round_costs`'s median seconds: of
-  one draft call, the target's prefill, a baseline decode, and the loop forced to each γ
-  (which made `rounds[γ]` rounds)."""
+  """c and r(0) … r(γ_max) in baseline steps from one repeat of `measure_round_costs`: the
+  seconds of one draft call, the target's prefill, a baseline decode, and the loop forced to
+  each γ (which made `rounds[γ]` rounds)."""
   step = max(baseline_s - prefill_s, 1e-9) / num_new_tokens  # one baseline token
   c = draft_call_s / step
   verify = []
@@ -399,16 +424,16 @@ def _round_costs(draft_call_s: float, prefill_s: float, baseline_s: float,
     round_steps = (total - prefill_s - draft_prefill) / max(num_rounds, 1) / step
     draft_calls = gamma if gamma else (0.0 if max_skip else 1.0)
     verify.append(max(round_steps - draft_calls * c, 0.05))
-  # A wider round never costs less: a noisy sample that says so is lifted to the one before.
-  verify = [verify[0]] + list(np.maximum.accumulate(verify[1:]))
-  return c, tuple(float(r) for r in verify)
+  return c, tuple(verify)
 
 
-# The modules whose code the timed rounds run (paths under speclm/): an edit to any of them (a
-# change to the loop, the models or the kernel) makes the cached timings stale. A listed path
+# The modules whose code the timed rounds run (paths under speclm/), and this timing code: an
+# edit to any of them (a change to the loop, the models, the kernel or how they are timed)
+# makes the cached timings stale. A listed path
 # this copy of speclm lacks is skipped, so the digest of a tree without it is unchanged.
 _TIMED_CODE = ('decoding.py', 'decode_common.py', 'adaptive.py', 'speculative.py',
-               'sampling.py', 'protocol.py', 'models', 'kernels')
+               'sampling.py', 'protocol.py', 'models', 'kernels',
+               os.path.join('run', 'calibration', 'costs.py'))
 
 
 def _speclm_root() -> str:
@@ -510,7 +535,7 @@ def measure_costs_cached(target: protocol.Model, draft: protocol.Model, *, gamma
 
 def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max_gamma: int,
                            batch_size: int = 1, context_length: int = 64,
-                           use_cache: bool = True, num_new_tokens: int = ROUND_COST_TOKENS,
+                           use_cache: bool = True, num_new_tokens: int | None = None,
                            repeats: int = ROUND_COST_REPEATS,
                            **rule_kwargs) -> adaptive.AdaptiveGamma:
   """An `adaptive.AdaptiveGamma` rule with c and r(γ) timed for these models and batch size.
@@ -536,7 +561,7 @@ def measure_adaptive_gamma(target: protocol.Model, draft: protocol.Model, *, max
     The `adaptive.AdaptiveGamma` rule with the measured draft_cost (c) and verify_costs (r).
   """
   max_skip = rule_kwargs.get('max_skip', 3)
-  timing = {} if (num_new_tokens, repeats) == (ROUND_COST_TOKENS, ROUND_COST_REPEATS) else {
+  timing = {} if (num_new_tokens, repeats) == (None, ROUND_COST_REPEATS) else {
       'num_new_tokens': num_new_tokens, 'repeats': repeats}
   path = os.path.join(cost_cache_dir(), _cost_cache_key(target, draft, max_gamma, batch_size,
                                                         context_length, max_skip, **timing)
