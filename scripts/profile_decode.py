@@ -44,6 +44,10 @@ _TREE_PATHS = flags.DEFINE_string('tree_paths', '0 1 0.0',
 _LOOKUP = flags.DEFINE_integer('lookup_min_ngram', 0, 'Prompt lookup before the draft, as the'
                                ' demo runs it (0: the draft alone).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
+_MIN_PROMPT = flags.DEFINE_integer(
+    'min_prompt_tokens', 0, 'Each demo prompt repeated (one copy a line) until its chat'
+    ' encoding has at least this many tokens: a decode at a long context, as Spec-Bench\'s'
+    ' summarization and retrieval prompts make.')
 _BATCH = flags.DEFINE_integer('batch_size', 1, 'Demo prompts decoded together.')
 _GAMMA = flags.DEFINE_integer('gamma', 4, 'γ for speculative decoding.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.0, 'Sampling temperature.')
@@ -77,6 +81,14 @@ def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
   return total, count
 
 
+def _lengthened(prompt: str, tok, min_tokens: int) -> str:
+  """`prompt` repeated, one copy a line, until its chat encoding has `min_tokens` tokens."""
+  text = prompt
+  while len(tok.encode_chat(text)) < min_tokens:
+    text += '\n' + prompt
+  return text
+
+
 def main(argv):
   del argv
   target, tok = smollm2.load()
@@ -87,7 +99,8 @@ def main(argv):
       draft = lookup.lookup_first(draft, min_ngram=_LOOKUP.value)
   if _CPU_KERNELS.value:
     target = llama.pack_for_cpu(target)
-  prompts = (builtin_prompts.demo_prompts() * _BATCH.value)[:_BATCH.value]
+  prompts = [_lengthened(p, tok, _MIN_PROMPT.value)
+             for p in (builtin_prompts.demo_prompts() * _BATCH.value)[:_BATCH.value]]
   tokens, lengths = tok.batch([tok.encode_chat(p) for p in prompts])
   sampling = speclm.SamplingConfig(temperature=_TEMPERATURE.value)
 
@@ -127,6 +140,7 @@ def main(argv):
     seconds = time.perf_counter() - start
   calls = int(result.stats.target_calls)
   total, count = op_times(trace_dir)
+  print(f'prompt tokens: {", ".join(str(int(n)) for n in lengths)}')
   print(f'{_MODE.value}, batch {_BATCH.value}, T={_TEMPERATURE.value:g}: {seconds:.2f}s for'
         f' {_MAX_NEW.value} tokens, {calls} target calls, {1e3 * seconds / calls:.1f} ms per call'
         f' (traced; tracing adds a little); ops sum to'

@@ -10,7 +10,8 @@
 // the visible slots of the one layer, in place.
 //
 // Each (row, key-value head) is one task, which reads each visible key and value once for all
-// the queries and query heads that see it. A query's own arithmetic is the same whatever K and
+// the queries and query heads that see it (the weighted values: every such query head's partial
+// sums held in registers while a slot's values are loaded once, `AddWeightedValues`). A query's own arithmetic is the same whatever K and
 // B are, so its output does not depend on how many queries share the call: speculative
 // verification gets the numbers of a one-token step bit for bit. Sums run in float32 in a
 // fixed order (a score's H products as 16-lane partial sums, then the lanes as a tree; the
@@ -114,6 +115,58 @@ inline Ints Visible16(const bool* m) {
   return __builtin_convertvector(b, Ints) != 0;
 }
 
+// out_r += Σ_{l0 <= l < l1} w_r[l] · v[l, :] for kRows rows r, v `[L, kChunks · 16]`: the
+// partial sums of all rows and chunks stay in registers over the slots, and each slot's values
+// are loaded once for all the rows. Each (row, chunk) is the same chain of fused multiply-adds
+// in slot order as a row alone, so a row's sums do not depend on which rows share the pass.
+template <int kChunks, int kRows>
+inline void AddWeightedValues(const float* const* w, float* const* out, const float* v,
+                              int64_t l0, int64_t l1) {
+  Lanes acc[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) acc[r][c] = Load(out[r] + c * kLanes);
+  for (int64_t l = l0; l < l1; ++l) {
+    Lanes value[kChunks];
+    for (int c = 0; c < kChunks; ++c) value[c] = Load(v + l * kChunks * kLanes + c * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const Lanes weight = Broadcast(w[r][l]);
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = MulAdd(weight, value[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) Store(out[r] + c * kLanes, acc[r][c]);
+}
+
+// AddWeightedValues over `rows` rows, kMaxRows at a time (what fits in the 32 vector registers
+// beside a slot's values), the rest in one smaller pass.
+template <int kChunks, int kMaxRows>
+void AddWeightedValuesRows(const float* const* w, float* const* out, int64_t rows,
+                           const float* v, int64_t l0, int64_t l1) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    AddWeightedValues<kChunks, kMaxRows>(w + r, out + r, v, l0, l1);
+  const int64_t rest = rows - r;
+  if constexpr (kMaxRows > 1)
+    if (rest == 1) AddWeightedValues<kChunks, 1>(w + r, out + r, v, l0, l1);
+  if constexpr (kMaxRows > 2)
+    if (rest == 2) AddWeightedValues<kChunks, 2>(w + r, out + r, v, l0, l1);
+  if constexpr (kMaxRows > 3)
+    if (rest == 3) AddWeightedValues<kChunks, 3>(w + r, out + r, v, l0, l1);
+  static_assert(kMaxRows <= 4, "the rest after passes of kMaxRows rows is at most 3 rows");
+}
+
+// The same sums for any number of chunks, one (row, chunk) chain at a time.
+void AddWeightedValuesAnyWidth(const float* const* w, float* const* out, int64_t rows,
+                               const float* v, int64_t l0, int64_t l1, int64_t chunks) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      Lanes sum = Load(out[r] + c * kLanes);
+      for (int64_t l = l0; l < l1; ++l)
+        sum = MulAdd(Broadcast(w[r][l]), Load(v + (l * chunks + c) * kLanes), sum);
+      Store(out[r] + c * kLanes, sum);
+    }
+}
+
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                       ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> visible,
                       ffi::ResultBuffer<ffi::F32> out, int64_t layer, float scale, float cap) {
@@ -145,6 +198,8 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   speclm::RunTasks(pool, batch * kv_heads, 1, [=](int64_t first, int64_t end) {
     thread_local std::vector<float> weights, tile, tops;
     thread_local std::vector<char> sees;
+    thread_local std::vector<const float*> row_weights;
+    thread_local std::vector<float*> row_outs;
     for (int64_t task = first; task < end; ++task) {
       const int64_t b = task / kv_heads, n = task % kv_heads;
       const bool* row_mask = mask + b * queries * slots;  // [K, L]
@@ -236,22 +291,27 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
           std::memset(out_data + row_of(k, g) * h_dim, 0, h_dim * sizeof(float));
         }
       }
-      // The weighted values, summed in slot order, each block of values read once for all.
+      // The weighted values, summed in slot order, each block of values read once for all
+      // the rows (queries × heads) that see a slot.
+      row_weights.clear();
+      row_outs.clear();
+      for (int64_t k = 0; k < queries; ++k)
+        for (int64_t g = 0; sees[k] && g < groups; ++g) {
+          row_weights.push_back(w_row(k, g));
+          row_outs.push_back(out_data + row_of(k, g) * h_dim);
+        }
+      const int64_t rows = static_cast<int64_t>(row_outs.size());
       for (int64_t l0 = 0; l0 < width; l0 += kLanes) {
         const int64_t l1 = std::min(l0 + kLanes, slots);
-        for (int64_t k = 0; k < queries; ++k) {
-          if (!sees[k]) continue;
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* w = w_row(k, g);
-            float* o = out_data + row_of(k, g) * h_dim;
-            for (int64_t c = 0; c < chunks; ++c) {
-              Lanes sum_v = Load(o + c * kLanes);
-              for (int64_t l = l0; l < l1; ++l)
-                sum_v = MulAdd(Broadcast(w[l]), Load(v_head + l * h_dim + c * kLanes), sum_v);
-              Store(o + c * kLanes, sum_v);
-            }
-          }
-        }
+        if (chunks == 4)
+          AddWeightedValuesRows<4, 4>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
+        else if (chunks == 8)
+          AddWeightedValuesRows<8, 2>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
+        else if (chunks == 16)
+          AddWeightedValuesRows<16, 1>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
+        else
+          AddWeightedValuesAnyWidth(row_weights.data(), row_outs.data(), rows, v_head, l0, l1,
+                                    chunks);
       }
     }
   });
