@@ -376,9 +376,9 @@ def test_rules_differing_only_in_costs_share_one_compiled_loop(target, prompts):
 
 def test_round_costs_arithmetic(monkeypatch, target):
   """measure_round_costs turns whole-loop times into per-round costs in baseline steps: the
-  prefill (the draft's, where it drafts, taken as c times the target's) comes off, the rest is divided by the
-  rounds the loop made and by the baseline's time per token, and γ·c comes off again (a
-  γ = 0 round runs no draft). Timings are given, the rounds are the loop's."""
+  prefill (the draft's, where it drafts, taken as c times the target's) comes off, the rest
+  is divided by the rounds the loop made and by the baseline's time per token, and γ·c comes
+  off again (a γ = 0 round runs no draft). Timings are given, the rounds are the loop's."""
   draft = _perturbed(target, 0.3, seed=1)
   new, max_skip, prefill, step, draft_step = 8, 1, 0.5, 0.1, 0.01
   round_seconds = [0.13, 0.12, 0.15, 0.14]  # γ = 0 … 3; γ = 3 cheaper than γ = 2: noise

@@ -11,11 +11,12 @@
 //
 // Each (row, key-value head) is one task, which reads each visible key and value once for all
 // the queries and query heads that see it (the weighted values: every such query head's partial
-// sums held in registers while a slot's values are loaded once, `AddWeightedValues`). A query's own arithmetic is the same whatever K and
-// B are, so its output does not depend on how many queries share the call: speculative
-// verification gets the numbers of a one-token step bit for bit. Sums run in float32 in a
-// fixed order (a score's H products as 16-lane partial sums, then the lanes as a tree; the
-// softmax denominator and the weighted values over l in slot order).
+// sums held in registers while a slot's values are loaded once, `AddWeightedValues`). A
+// query's own arithmetic is the same whatever K and B are, so its output does not depend on
+// how many queries share the call: speculative verification gets the numbers of a one-token
+// step bit for bit. Sums run in float32 in a fixed order (a score's H products as 16-lane
+// partial sums, then the lanes as a tree; the softmax denominator and the weighted values over
+// l in slot order).
 
 #include <algorithm>
 #include <cmath>
