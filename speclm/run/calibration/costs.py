@@ -312,9 +312,10 @@ def round_cost_tokens(context_length: int) -> int:
 
   Each timed decode includes the prompt's prefill, which `measure_round_costs` subtracts. A
   prefill grows with the prompt (576 tokens of SmolLM2-135M: 0.8–1.0 s on 2 cores, about 40
-  decode steps), so after 32 tokens the rounds were a third of each sample, and the prefill's
-  noise (±10% a sample) moved r(γ) by ±0.5 between two runs (r(4) 1.72 in one, 2.86 in the
-  next, with r(1) 0.57 beside it). A quarter of the prompt keeps the decode ≳ 3/4 of a sample.
+  decode steps), so after 32 tokens the rounds were about 40% of each sample, and the
+  prefill's noise (±10% a sample) moved r(γ) by up to ±0.6 between runs (four runs gave r(4)
+  from 1.72 to 2.86, one of them r(1) = 0.57). A quarter of the prompt keeps the decode about 3/4
+  of a sample or more.
   """
   return max(ROUND_COST_TOKENS, 16 * math.ceil(context_length / 64))
 
@@ -429,8 +430,8 @@ def _round_costs(draft_call_s: float, prefill_s: float, baseline_s: float,
 
 # The modules whose code the timed rounds run (paths under speclm/), and this timing code: an
 # edit to any of them (a change to the loop, the models, the kernel or how they are timed)
-# makes the cached timings stale. A listed path
-# this copy of speclm lacks is skipped, so the digest of a tree without it is unchanged.
+# makes the cached timings stale. A listed path this copy of speclm lacks is skipped, so the
+# digest of a tree without it is unchanged.
 _TIMED_CODE = ('decoding.py', 'decode_common.py', 'adaptive.py', 'speculative.py',
                'sampling.py', 'protocol.py', 'models', 'kernels',
                os.path.join('run', 'calibration', 'costs.py'))
