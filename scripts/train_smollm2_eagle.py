@@ -22,7 +22,8 @@ Stages (each resumable, on CPU or a GPU):
   2. features: SmolLM2's features at every position of those sequences, only the layers read
      (feat[-l2-15-27]_*.npz, bfloat16 stored as uint16), and from the same forward pass its
      soft labels (label_*.npz, the format of train_smollm2_draft.py --stage=label).
-  3. train: AdamW, the decoder layer starting from target layer --init_layer, the others random.
+  3. train: AdamW, the decoder layer starting from target layer --init_layer, the others
+     random, or every trained parameter from --init_from's draft file (continued training).
   4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
      own β statistics; writes the safetensors file and its MODEL_CARD.md.
 
@@ -62,6 +63,7 @@ from absl import flags
 from absl import logging
 
 import speclm
+from speclm import trees
 from speclm.analysis import benchmarking
 from speclm.data import builtin_prompts
 from speclm.data import draft_shards
@@ -89,6 +91,11 @@ _INPUT_NORMS = flags.DEFINE_bool('input_norms', False,
                                  "RMSNorms on the draft's two inputs before the fusion (EAGLE-3's"
                                  ' `hidden_norm`; `eagle.EagleDraft.input_norms`).')
 _INIT_LAYER = flags.DEFINE_integer('init_layer', 29, 'Target layer the draft layers start from.')
+_INIT_FROM = flags.DEFINE_string(
+    'init_from', None, 'Start from a draft file this script wrote (e.g. the shipped'
+    ' speclm/assets/smollm2_eagle/eagle.safetensors) instead of target layer --init_layer: the'
+    ' same --num_layers, --feature_layers, --input_norms and head subset. Its steps, positions'
+    ' and seconds are recorded as earlier ones; a saved train state (--resume) still wins.')
 _EPOCHS = flags.DEFINE_float('epochs', 8.0, 'Passes over the data.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
 _LR = flags.DEFINE_float('learning_rate', 1e-3, 'Peak AdamW learning rate.')
@@ -397,8 +404,9 @@ def ttt_loss_fn(definition, frozen, trained, tokens, feats, labels, soft_probs, 
 
 
 def _initial_draft(target, head_ids, layers):
-  """(definition, trained parameters, frozen ones) of a new draft: the decoder layers start
-  from target layer --init_layer, the rest at random; the head is borrowed, not trained."""
+  """(definition, trained parameters, frozen ones, what earlier runs did) of a new draft: the
+  decoder layers start from target layer --init_layer, the rest at random, or everything from
+  --init_from's file; the head is borrowed, not trained."""
   config = eagle.draft_config(target.definition.config, _NUM_LAYERS.value, len(head_ids))
   definition = eagle.EagleDraft(config, target.vocab_size, layers,
                                 input_norms=_INPUT_NORMS.value)
@@ -410,7 +418,34 @@ def _initial_draft(target, head_ids, layers):
         jnp.array, target.params[f'layers_{_INIT_LAYER.value}'])
   del trained['head']
   frozen = {k: v for k, v in params.items() if k not in trained}
-  return definition, trained, frozen
+  earlier = {}
+  if _INIT_FROM.value:
+    trained, earlier = _continued(_INIT_FROM.value, trained, head_ids, layers)
+  return definition, trained, frozen, earlier
+
+
+def _continued(path: str, fresh: dict, head_ids, layers) -> tuple[dict, dict]:
+  """The trained parameters of the draft file at `path`, checked against a new draft's
+  (`fresh`: the same names and shapes), and its run's counts as `earlier_*` entries."""
+  trained, saved_ids, saved = smollm2_draft.read(path)
+  saved_layers = saved.get('feature_layers')
+  if not np.array_equal(saved_ids, head_ids):
+    raise app.UsageError(f'--init_from={path} has a head of another token subset.')
+  if (None if saved_layers is None else tuple(saved_layers)) != layers:
+    raise app.UsageError(f'--init_from={path} reads layers {saved_layers}, this run'
+                         f' {None if layers is None else list(layers)} (--feature_layers).')
+  saved_shapes, fresh_shapes = ({k: np.shape(v) for k, v in trees.flatten(tree).items()}
+                                for tree in (trained, fresh))
+  differ = sorted(k for k in {*saved_shapes, *fresh_shapes}
+                  if saved_shapes.get(k) != fresh_shapes.get(k))
+  if differ:
+    raise app.UsageError(f'--init_from={path} has other parameters than this run\'s draft'
+                         f' (check --num_layers and --input_norms): {differ}')
+  earlier = {f'earlier_{name}': saved.get(name, 0) + saved.get(f'earlier_{name}', 0)
+             for name in ('steps', 'positions_seen', 'train_seconds')}
+  logging.info('starting from %s (%d steps, %d positions before)', path,
+               earlier['earlier_steps'], earlier['earlier_positions_seen'])
+  return jax.tree_util.tree_map(jnp.asarray, trained), earlier
 
 
 def learning_rate(step: int, progress: float) -> float:
@@ -458,7 +493,7 @@ def train(target, head_ids, layers):
   positions seen to training_curve.jsonl there.
   """
   seqs, heldout = load_data(layers)
-  definition, trained, frozen = _initial_draft(target, head_ids, layers)
+  definition, trained, frozen, earlier = _initial_draft(target, head_ids, layers)
   loss = loss_fn if layers is None else ttt_loss_fn
   to_head = np.full((target.vocab_size,), -1, np.int32)
   to_head[head_ids] = np.arange(len(head_ids))
@@ -578,7 +613,7 @@ def train(target, head_ids, layers):
       final_loss=float(state['loss']),
       heldout_accuracy=point.get('text_accuracy', [0.0])[0],
       heldout_greedy_agreement=point.get('greedy_agreement'),
-      heldout_overlap_top_k=point.get('overlap_top_k'))
+      heldout_overlap_top_k=point.get('overlap_top_k'), **earlier)
 
 
 def _tag(layers) -> str:
@@ -661,8 +696,12 @@ def _data(m: dict) -> str:
 
 
 def _positions(m: dict) -> str:
-  """', N positions seen' where the run recorded them."""
-  return f", {m['positions_seen']:,} positions seen" if m.get('positions_seen') else ''
+  """', N positions seen' where the run recorded them (and those of the runs it continued)."""
+  seen = f", {m['positions_seen']:,} positions seen" if m.get('positions_seen') else ''
+  if m.get('earlier_steps'):
+    seen += (f" (continuing a draft trained {m['earlier_steps']:,} steps on"
+             f" {m.get('earlier_positions_seen', 0):,} positions: --init_from)")
+  return seen
 
 
 def model_card(m: dict, path: str) -> str:

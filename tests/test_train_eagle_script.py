@@ -153,6 +153,32 @@ def test_torch_backend_trains_a_draft_the_flax_code_loads_and_resumes(run, targe
   assert again['positions_seen'] > metadata['positions_seen']
 
 
+def test_init_from_continues_a_draft_file_and_counts_its_run(run, tmp_path):
+  """--init_from starts training from a draft file (the module's run wrote one): the new file
+  records that run's steps and positions as earlier ones (the model card's training line
+  names them); a file of
+  another shape is refused before training, naming the parameters that differ."""
+  work = tmp_path / 'work'
+  work.mkdir()
+  for path in glob.glob(os.path.join(run[0], '*.npz')):
+    if os.path.basename(path).startswith(('gen_', 'feat', 'label_')):
+      shutil.copy(path, work)
+  first = os.path.join(run[1], smollm2_draft.EAGLE_FILE)
+  _, _, before = smollm2_draft.read(first)
+  out = tmp_path / 'out'
+  flags = [*EAGLE, f'--work_dir={work}', f'--output_dir={out}', '--stage=train',
+           '--evaluate=false', f'--init_from={first}']
+  log = run_script(*flags)
+  assert f'starting from {first} ({before["steps"]} steps' in log
+  _, _, after = smollm2_draft.read(os.path.join(out, smollm2_draft.EAGLE_FILE))
+  assert after['earlier_steps'] == before['steps'] >= 1
+  assert after['earlier_positions_seen'] == before['positions_seen'] > 0
+  assert after['steps'] >= 1
+
+  with pytest.raises(AssertionError, match=r'other parameters than this run.*layers_1'):
+    run_script(*flags, '--num_layers=2', f'--output_dir={tmp_path / "out2"}')
+
+
 def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
   """scripts/compare_drafts.py on tiny settings with this run's draft, alone and behind lookup
   first (the shipped drafts' rows are left out here: each costs compilations): a row per
@@ -181,8 +207,8 @@ def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
   shutil.copytree(work, copy)
   shutil.copy(os.path.join(draft_script_run.work_dir, 'self_prompts.json'), copy)
   out = tmp_path / 'out'
-  generation = [f for f in draft_script_run.tiny_flags if not f.startswith(('--label', '--batch_size',
-                                                                  '--epochs', '--width'))]
+  generation = [f for f in draft_script_run.tiny_flags
+                if not f.startswith(('--label', '--batch_size', '--epochs', '--width'))]
   env = dict(os.environ, WORK_DIR=str(copy), OUT_DIR=str(out),
              GEN_FLAGS=' '.join(generation + ['--grounded_prompts=0']),
              TRAIN_FLAGS=' '.join(EAGLE[1:]))
