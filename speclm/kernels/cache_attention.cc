@@ -116,56 +116,58 @@ inline Ints Visible16(const bool* m) {
   return __builtin_convertvector(b, Ints) != 0;
 }
 
-// out_r += Σ_{l0 <= l < l1} w_r[l] · v[l, :] for kRows rows r, v `[L, kChunks · 16]`: the
-// partial sums of all rows and chunks stay in registers over the slots, and each slot's values
-// are loaded once for all the rows. Each (row, chunk) is the same chain of fused multiply-adds
-// in slot order as a row alone, so a row's sums do not depend on which rows share the pass.
+// out_r[j] += Σ_{l0 <= l < l1} w_r[l] · v[l, j] for kRows rows r and the kChunks · 16 columns
+// j from `column` on (v's slots `stride` floats apart): the partial sums of all rows and chunks
+// stay in registers over the slots, and each slot's values are loaded once for all the rows.
+// Each (row, chunk) is the same chain of fused multiply-adds in slot order as a row alone, so
+// a row's sums do not depend on which rows or chunks share the pass.
 template <int kChunks, int kRows>
-inline void AddWeightedValues(const float* const* w, float* const* out, const float* v,
-                              int64_t l0, int64_t l1) {
+inline void AddWeightedValues(const float* const* w, float* const* out, int64_t column,
+                              const float* v, int64_t stride, int64_t l0, int64_t l1) {
   Lanes acc[kRows][kChunks];
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kChunks; ++c) acc[r][c] = Load(out[r] + c * kLanes);
+    for (int c = 0; c < kChunks; ++c) acc[r][c] = Load(out[r] + column + c * kLanes);
   for (int64_t l = l0; l < l1; ++l) {
     Lanes value[kChunks];
-    for (int c = 0; c < kChunks; ++c) value[c] = Load(v + l * kChunks * kLanes + c * kLanes);
+    for (int c = 0; c < kChunks; ++c) value[c] = Load(v + l * stride + column + c * kLanes);
     for (int r = 0; r < kRows; ++r) {
       const Lanes weight = Broadcast(w[r][l]);
       for (int c = 0; c < kChunks; ++c) acc[r][c] = MulAdd(weight, value[c], acc[r][c]);
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kChunks; ++c) Store(out[r] + c * kLanes, acc[r][c]);
+    for (int c = 0; c < kChunks; ++c) Store(out[r] + column + c * kLanes, acc[r][c]);
 }
 
-// AddWeightedValues over `rows` rows, kMaxRows at a time (what fits in the 32 vector registers
-// beside a slot's values), the rest in one smaller pass.
-template <int kChunks, int kMaxRows>
-void AddWeightedValuesRows(const float* const* w, float* const* out, int64_t rows,
-                           const float* v, int64_t l0, int64_t l1) {
+// AddWeightedValues over `rows` rows, 4 at a time (16 partial sums and 4 values fit in the 32
+// vector registers), the rest in one smaller pass.
+template <int kChunks>
+inline void AddWeightedValuesRows(const float* const* w, float* const* out, int64_t rows,
+                           int64_t column, const float* v, int64_t stride, int64_t l0,
+                           int64_t l1) {
   int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows)
-    AddWeightedValues<kChunks, kMaxRows>(w + r, out + r, v, l0, l1);
-  const int64_t rest = rows - r;
-  if constexpr (kMaxRows > 1)
-    if (rest == 1) AddWeightedValues<kChunks, 1>(w + r, out + r, v, l0, l1);
-  if constexpr (kMaxRows > 2)
-    if (rest == 2) AddWeightedValues<kChunks, 2>(w + r, out + r, v, l0, l1);
-  if constexpr (kMaxRows > 3)
-    if (rest == 3) AddWeightedValues<kChunks, 3>(w + r, out + r, v, l0, l1);
-  static_assert(kMaxRows <= 4, "the rest after passes of kMaxRows rows is at most 3 rows");
+  for (; r + 4 <= rows; r += 4)
+    AddWeightedValues<kChunks, 4>(w + r, out + r, column, v, stride, l0, l1);
+  switch (rows - r) {
+    case 1: AddWeightedValues<kChunks, 1>(w + r, out + r, column, v, stride, l0, l1); break;
+    case 2: AddWeightedValues<kChunks, 2>(w + r, out + r, column, v, stride, l0, l1); break;
+    case 3: AddWeightedValues<kChunks, 3>(w + r, out + r, column, v, stride, l0, l1); break;
+  }
 }
 
-// The same sums for any number of chunks, one (row, chunk) chain at a time.
-void AddWeightedValuesAnyWidth(const float* const* w, float* const* out, int64_t rows,
-                               const float* v, int64_t l0, int64_t l1, int64_t chunks) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < chunks; ++c) {
-      Lanes sum = Load(out[r] + c * kLanes);
-      for (int64_t l = l0; l < l1; ++l)
-        sum = MulAdd(Broadcast(w[r][l]), Load(v + (l * chunks + c) * kLanes), sum);
-      Store(out[r] + c * kLanes, sum);
-    }
+// The weighted values of `rows` rows over a head of `chunks` 16-lane chunks: 4 chunks a pass,
+// the rest (1–3) in one more.
+inline void AddWeightedValuesAll(const float* const* w, float* const* out, int64_t rows,
+                          const float* v, int64_t chunks, int64_t l0, int64_t l1) {
+  const int64_t stride = chunks * kLanes;
+  int64_t c = 0;
+  for (; c + 4 <= chunks; c += 4)
+    AddWeightedValuesRows<4>(w, out, rows, c * kLanes, v, stride, l0, l1);
+  switch (chunks - c) {
+    case 1: AddWeightedValuesRows<1>(w, out, rows, c * kLanes, v, stride, l0, l1); break;
+    case 2: AddWeightedValuesRows<2>(w, out, rows, c * kLanes, v, stride, l0, l1); break;
+    case 3: AddWeightedValuesRows<3>(w, out, rows, c * kLanes, v, stride, l0, l1); break;
+  }
 }
 
 ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
@@ -304,15 +306,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
       const int64_t rows = static_cast<int64_t>(row_outs.size());
       for (int64_t l0 = 0; l0 < width; l0 += kLanes) {
         const int64_t l1 = std::min(l0 + kLanes, slots);
-        if (chunks == 4)
-          AddWeightedValuesRows<4, 4>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
-        else if (chunks == 8)
-          AddWeightedValuesRows<8, 2>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
-        else if (chunks == 16)
-          AddWeightedValuesRows<16, 1>(row_weights.data(), row_outs.data(), rows, v_head, l0, l1);
-        else
-          AddWeightedValuesAnyWidth(row_weights.data(), row_outs.data(), rows, v_head, l0, l1,
-                                    chunks);
+        AddWeightedValuesAll(row_weights.data(), row_outs.data(), rows, v_head, chunks, l0, l1);
       }
     }
   });
