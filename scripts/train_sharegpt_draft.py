@@ -19,11 +19,15 @@ Stages (each resumable; `--stage=all` runs them in order):
      training conversations, --reply_batch of similar length at a time, every
      --sampled_every-th batch at T = 1 and the others greedy, in PyTorch bfloat16
      (`speclm.data.torch_replies`), until --replies_budget_s: gen_own_*.npz, the same format
-     (the loss on the reply and its end token).
+     (the loss on the reply and its end token). --first_reply_batch=N starts at the N-th
+     batch of that order, for a run continuing a draft that learned the first N. With
+     --reply_features (the default) the same pass keeps what the features stage would compute
+     for these shards, so they need no second pass.
   3. features: `scripts/train_smollm2_eagle.py --stage=features --feature_backend=torch`:
-     SmolLM2's hidden states after layers 2, 15 and 27 and its top-k temperature-1
-     distribution (soft labels), bfloat16 through PyTorch (about 2x XLA's float32 on 2 cores,
-     see docs/drafts.md), shard by shard until --feature_budget_s.
+     SmolLM2's hidden states after layers 2, 15 and 27 (--feature_layers) and its top-k
+     temperature-1 distribution (soft labels), bfloat16 through PyTorch (about 2x XLA's
+     float32 on 2 cores, see docs/drafts.md), shard by shard until --feature_budget_s.
+     Training reads them memory-mapped: their size is bounded by the disk, not the memory.
   4. train: `scripts/train_smollm2_eagle.py --stage=train --train_backend=torch`: EAGLE-3 with
      training-time test on every shard with features (ShareGPT's and the own replies, mixed),
      its steps in PyTorch bfloat16 (`speclm.models.eagle_torch`), for --train_budget_s (the
@@ -59,6 +63,7 @@ from speclm.data import builtin_prompts
 from speclm.data import conversations
 from speclm.data import draft_shards
 from speclm.data import sharegpt
+from speclm.models import eagle
 from speclm.presets import smollm2
 
 _WORK_DIR = flags.DEFINE_string('work_dir', None, 'Where the stages write.', required=True)
@@ -80,12 +85,22 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the conversation order.')
 _REPLIES_BUDGET = flags.DEFINE_float(
     'replies_budget_s', 1800.0, "Seconds for SmolLM2's own replies (0: none).")
 _REPLY_TOKENS = flags.DEFINE_integer('reply_tokens', 192, 'Longest own reply, in tokens.')
+_FIRST_REPLY_BATCH = flags.DEFINE_integer(
+    'first_reply_batch', 0, 'Place in the shuffled batch order where the replies start: a run'
+    ' that continues a draft trained on the first N batches (the shipped EAGLE-3 draft: 145)'
+    ' sets N to answer prompts it has not learned from.')
 _REPLY_BATCH = flags.DEFINE_integer('reply_batch', 64, 'Prompts answered together.')
 _MAX_PROMPT_TOKENS = flags.DEFINE_integer('max_prompt_tokens', 320,
                                           'Longer first turns get no own reply.')
 _SAMPLED_EVERY = flags.DEFINE_integer(
     'sampled_every', 4, 'Every n-th batch of own replies is sampled at T = 1, the rest greedy'
     ' (0: all greedy).')
+_REPLY_FEATURES = flags.DEFINE_bool(
+    'reply_features', True, "Keep SmolLM2's features and soft labels from the pass that writes"
+    ' its replies (the features stage then skips those shards: no second pass over them).')
+_FEATURE_LAYERS = flags.DEFINE_string(
+    'feature_layers', 'eagle3', "The target features the draft reads (train_smollm2_eagle.py's"
+    " flag: 'eagle3', 'final' or decoder layers such as '2,15,27').")
 _FEATURE_BUDGET = flags.DEFINE_float('feature_budget_s', 1800.0, 'Seconds for features.')
 _TRAIN_BUDGET = flags.DEFINE_float('train_budget_s', 2700.0, 'Seconds for training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
@@ -99,6 +114,8 @@ _EXTRA = flags.DEFINE_list('eagle_flags', ['--batch_size=8', '--ttt_steps=3', '-
                            'Further flags for scripts/train_smollm2_eagle.py (the training'
                            ' steps in PyTorch bfloat16: several times XLA\'s float32 on'
                            ' CPUs with AMX, docs/drafts.md).')
+
+LABEL_TOP_K = 16  # the target's tokens kept per position as soft labels
 
 
 def evaluation_texts() -> list[str]:
@@ -205,10 +222,20 @@ def make_replies(work_dir: str) -> None:
   prompts.sort(key=len)
   batches = [prompts[i:i + size] for i in range(0, len(prompts), size)]
   order = np.random.RandomState(_SEED.value).permutation(len(batches))
-  model = hf_llama.to_transformers(smollm2.load_model()).to(torch.bfloat16).eval()
+  order = order[_FIRST_REPLY_BATCH.value:]
+  target = smollm2.load_model()
+  model = hf_llama.to_transformers(target).to(torch.bfloat16).eval()
+  layers = False  # False: no features kept; None: the final hidden states
+  if _REPLY_FEATURES.value:
+    try:
+      layers = eagle.parse_feature_layers(_FEATURE_LAYERS.value,
+                                          target.definition.config.num_layers)
+    except ValueError as e:
+      raise app.UsageError(f'--feature_layers: {e}') from None
   start, tokens_written = time.time(), 0
   done = [n for n in order if os.path.exists(os.path.join(work_dir, f'gen_own_{n:04d}.npz'))]
-  bar = progress.Progress(len(prompts), initial=sum(len(batches[n]) for n in done),
+  bar = progress.Progress(sum(len(batches[n]) for n in order),
+                          initial=sum(len(batches[n]) for n in done),
                           label='own replies (prompts)')
   for number in order:
     path = os.path.join(work_dir, f'gen_own_{number:04d}.npz')
@@ -220,13 +247,20 @@ def make_replies(work_dir: str) -> None:
     began = time.time()
     sampled = bool(_SAMPLED_EVERY.value) and number % _SAMPLED_EVERY.value == 0
     batch = batches[number]
-    replies = torch_replies.generate(
-        model, batch, _REPLY_TOKENS.value, tokenizer.end_ids,
-        temperature=1.0 if sampled else 0.0, seed=_SEED.value * 100_003 + int(number),
-        threads=os.cpu_count())
+    kwargs = dict(temperature=1.0 if sampled else 0.0, threads=os.cpu_count(),
+                  seed=_SEED.value * 100_003 + int(number))
+    if layers is False:
+      replies = torch_replies.generate(model, batch, _REPLY_TOKENS.value, tokenizer.end_ids,
+                                       **kwargs)
+    else:
+      rows = torch_replies.generate_with_features(
+          model, batch, _REPLY_TOKENS.value, tokenizer.end_ids,
+          'final' if layers is None else layers, LABEL_TOP_K, **kwargs)
+      replies = [row.reply for row in rows]
+      _save_reply_features(path, rows, layers)
     pieces = [(np.asarray(p + r, np.int32), np.asarray([False] * len(p) + [True] * len(r)))
               for p, r in zip(batch, replies)]
-    _save_shard(path, pieces)
+    _save_shard(path, pieces)  # last: a batch counts as done once its shard exists
     draft_shards.add_generation_seconds(work_dir, time.time() - began)
     count = sum(map(len, replies))
     tokens_written += count
@@ -238,6 +272,21 @@ def make_replies(work_dir: str) -> None:
   logging.info('own replies: %d reply tokens this run in %.0fs; %d of %d batches written',
                tokens_written, time.time() - start,
                len(glob.glob(os.path.join(work_dir, 'gen_own_*.npz'))), len(batches))
+
+
+def _save_reply_features(path: str, rows, layers) -> None:
+  """The features and soft labels of the shard `path` will hold (`torch_replies`' rows), in
+  the files and format train_smollm2_eagle.py's features stage writes (padded to the longest
+  row). Their time counts as the replies' (generation_seconds.txt), so their `seconds` is 0."""
+  width = max(len(row.features) for row in rows)
+  pad = lambda a: np.pad(a, [(0, width - len(a))] + [(0, 0)] * (a.ndim - 1))
+  draft_shards.save_npz(draft_shards.label_file(path),
+                        probs=np.stack([pad(row.probs) for row in rows]),
+                        ids=np.stack([pad(row.ids) for row in rows]))
+  draft_shards.save_npz(draft_shards.feature_file(path, layers),
+                        features=np.stack([pad(row.features) for row in rows]),
+                        seconds=0.0,
+                        layers=np.asarray(layers if layers is not None else [], np.int32))
 
 
 def _save_shard(path: str, pieces) -> None:
@@ -261,7 +310,8 @@ def run_eagle_script(stage: str, work_dir: str) -> None:
   output_dir = _OUTPUT_DIR.value or os.path.join(work_dir, 'draft')
   command = [sys.executable, os.path.join(os.path.dirname(__file__), 'train_smollm2_eagle.py'),
              f'--work_dir={",".join(work_dirs)}', f'--output_dir={output_dir}',
-             f'--stage={stage}', '--feature_backend=torch', '--label_top_k=16',
+             f'--stage={stage}', '--feature_backend=torch', f'--label_top_k={LABEL_TOP_K}',
+             f'--feature_layers={_FEATURE_LAYERS.value}',
              f'--feature_budget_s={_FEATURE_BUDGET.value}',
              f'--train_budget_s={_TRAIN_BUDGET.value}', '--noevaluate', *_EXTRA.value]
   if stage == 'evaluate':

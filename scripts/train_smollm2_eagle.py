@@ -151,28 +151,14 @@ _SOFT_WEIGHT = flags.DEFINE_float('soft_weight', 0.7,
 
 def feature_layers(num_target_layers: int = 30) -> tuple[int, ...] | None:
   """--feature_layers as the draft's `feature_layers` (None: the final hidden states)."""
-  value = _FEATURE_LAYERS.value.strip()
-  if value == 'final':
-    return None
-  if value == 'eagle3':
-    return eagle.eagle3_layers(num_target_layers)
   try:
-    return tuple(int(v) for v in value.split(','))
-  except ValueError:
-    raise app.UsageError(f"--feature_layers={value}: 'eagle3', 'final' or layer numbers such as"
-                         " '2,15,27'.") from None
+    return eagle.parse_feature_layers(_FEATURE_LAYERS.value, num_target_layers)
+  except ValueError as e:
+    raise app.UsageError(f'--feature_layers: {e}') from None
 
 
-def feature_file(shard: str, layers: tuple[int, ...] | None) -> str:
-  """Where the features of `layers` for the data shard gen_*.npz go."""
-  tag = '' if layers is None else '-l' + '-'.join(map(str, layers))
-  return shard.replace('gen_', f'feat{tag}_')
-
-
-def label_file(shard: str) -> str:
-  """Where the target's soft labels for the data shard gen_*.npz go (the format
-  scripts/train_smollm2_draft.py --stage=label writes: either script reuses the other's)."""
-  return shard.replace('gen_', 'label_')
+feature_file = draft_shards.feature_file
+label_file = draft_shards.label_file
 
 
 def as_float32(features: np.ndarray) -> np.ndarray:
@@ -227,11 +213,13 @@ def features(target, layers) -> None:
     parts = [forward(tokens[i:i + step]) for i in range(0, len(tokens), step)]
     seconds = time.time() - start
     if not os.path.exists(out):
-      _save(out, features=np.concatenate([f for f, _, _ in parts])[:rows, :width],
-            seconds=seconds, layers=np.asarray(layers if layers is not None else [], np.int32))
+      draft_shards.save_npz(
+          out, features=np.concatenate([f for f, _, _ in parts])[:rows, :width],
+          seconds=seconds, layers=np.asarray(layers if layers is not None else [], np.int32))
     if top_k and not os.path.exists(labels_out):
-      _save(labels_out, probs=np.concatenate([p for _, p, _ in parts])[:rows, :width],
-            ids=np.concatenate([i for _, _, i in parts])[:rows, :width].astype(np.int32))
+      draft_shards.save_npz(
+          labels_out, probs=np.concatenate([p for _, p, _ in parts])[:rows, :width],
+          ids=np.concatenate([i for _, _, i in parts])[:rows, :width].astype(np.int32))
     logging.info('features%s of %s (%d of %d) in %.1fs: %.0f tokens/s',
                  ' and soft labels' if top_k else '', os.path.basename(shard), number + 1,
                  len(shards), seconds, rows * width / seconds)
@@ -275,20 +263,15 @@ def torch_forward(target, layers, top_k: int):
   return forward
 
 
-def _save(path: str, **arrays) -> None:
-  """np.savez to `path`, whole or not at all (an interrupted run leaves no partial file)."""
-  tmp = path + '.tmp.npz'
-  np.savez(tmp, **arrays)
-  os.replace(tmp, path)
-
-
 def load_data(layers):
   """[(tokens [T], features [T, F] as stored, prompt length or reply mask [T], soft labels)]
   per sequence, for the training and held-out shards; soft labels are (probabilities [T, k],
   ids [T, k]), or None without --label_top_k. A shard with `loss_mask` (conversations of
   several turns, `scripts/train_sharegpt_draft.py`) gives the mask instead of a prompt
-  length. Training shards without features yet (a features stage stopped by its budget) are
-  left out, with a line saying so."""
+  length. Features and soft labels are views of their files, memory-mapped
+  (`draft_shards.load_array`): read when a batch uses them, never all in memory. Training
+  shards without features yet (a features stage stopped by its budget) are left out, with a
+  line saying so."""
   pairs = []
   shards = _shards('gen_*.npz')
   for number, shard in enumerate(shards):
@@ -303,15 +286,16 @@ def load_data(layers):
     if _TOP_K.value:
       if not os.path.exists(label_file(shard)):
         raise FileNotFoundError(f'{label_file(shard)} is missing; run --stage=features first.')
-      with np.load(label_file(shard)) as labels:
-        soft = [(p, i) for p, i in zip(labels['probs'], labels['ids'])]
-    with np.load(shard) as data, np.load(feat) as f:
+      soft = zip(draft_shards.load_array(label_file(shard), 'probs'),
+                 draft_shards.load_array(label_file(shard), 'ids'))
+    with np.load(shard) as data:
       replies = (data['loss_mask'] if 'loss_mask' in data else data['prompt_lengths'])
       # Copies of the filled positions: a slice would keep its shard's whole padded array.
-      rows = [(row[:n].copy(), h[:n].copy(), p[:n].copy() if p.ndim else p,
-               None if s is None else (s[0][:n].copy(), s[1][:n].copy()))
-              for row, n, h, p, s in zip(data['tokens'], data['lengths'], f['features'],
-                                         replies, soft)]
+      rows = [(row[:n].copy(), h[:n], p[:n].copy() if p.ndim else p,
+               None if s is None else (s[0][:n], s[1][:n]))
+              for row, n, h, p, s in zip(data['tokens'], data['lengths'],
+                                         draft_shards.load_array(feat, 'features'), replies,
+                                         soft)]
     own = os.path.basename(shard).startswith('gen_own_')
     pairs.append(rows * (_OWN_REPEAT.value if own else 1))
   cut = len(pairs) - _HELDOUT_SHARDS.value

@@ -66,3 +66,50 @@ def test_sampled_replies_follow_the_seed_and_bfloat16_runs(hf_model):
   clear = [m > 0.05 for m in margins]
   assert any(clear)
   assert [g for g, c in zip(greedy, clear) if c] == [f for f, c in zip(float32, clear) if c]
+
+
+def _hidden_states(hf_model, ids):
+  with torch.inference_mode():
+    out = hf_model(torch.tensor([ids]), output_hidden_states=True)
+  return [h[0].double().numpy() for h in out.hidden_states], out.logits[0].double().numpy()
+
+
+def _as_float(bits):
+  return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_features_come_from_the_same_pass_as_the_replies(hf_model, temperature):
+  kw = dict(temperature=temperature, seed=5, dtype=torch.float32)
+  plain = torch_replies.generate(hf_model, PROMPTS, 9, [999], **kw)
+  rows = torch_replies.generate_with_features(hf_model, PROMPTS, 9, [999], (1, 0), 4, **kw)
+  assert [row.reply for row in rows] == plain
+  for prompt, row in zip(PROMPTS, rows):
+    ids = prompt + row.reply
+    hidden, logits = _hidden_states(hf_model, ids)
+    assert row.features.dtype == np.uint16 and row.features.shape == (len(ids), 2 * 48)
+    # hidden_states[i + 1] is decoder layer i's output (the last layer's comes normed); the
+    # layers side by side in the order asked for
+    expected = np.concatenate([hidden[2], hidden[1]], axis=-1)
+    np.testing.assert_allclose(_as_float(row.features), expected, rtol=1e-2, atol=1e-2)
+    # soft labels from the prompt's last position on; zeros before it
+    assert not row.probs[:len(prompt) - 1].any() and not row.ids[:len(prompt) - 1].any()
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.sort(probs, axis=-1)[:, ::-1][len(prompt) - 1:, :4]
+    np.testing.assert_allclose(row.probs[len(prompt) - 1:], top, atol=2e-3)
+    picked = np.take_along_axis(probs[len(prompt) - 1:], row.ids[len(prompt) - 1:], axis=-1)
+    np.testing.assert_allclose(picked, top, atol=1e-5)
+
+
+def test_final_features_are_the_heads_input_and_bad_layers_are_refused(hf_model):
+  rows = torch_replies.generate_with_features(hf_model, PROMPTS[:2], 5, [999], 'final', 2,
+                                              dtype=torch.float32)
+  for prompt, row in zip(PROMPTS[:2], rows):
+    hidden, _ = _hidden_states(hf_model, prompt + row.reply)
+    np.testing.assert_allclose(_as_float(row.features), hidden[-1], rtol=1e-2, atol=1e-2)
+  for layers in [(3,), (), (-1,)]:
+    with pytest.raises(ValueError, match='decoder layers 0 … 2'):
+      torch_replies.generate_with_features(hf_model, PROMPTS, 2, [999], layers, 2)
+  with pytest.raises(ValueError, match='top_k'):
+    torch_replies.generate_with_features(hf_model, PROMPTS, 2, [999], (1,), 0)

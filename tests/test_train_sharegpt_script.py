@@ -1,6 +1,7 @@
 """scripts/train_sharegpt_draft.py end to end on a tiny ShareGPT file made here: pieces with
 reply masks, the evaluation overlap dropped, SmolLM2's own replies to the first turns,
-PyTorch bfloat16 features equal to the float32 model's within rounding, a few steps of EAGLE-3 with input norms, a training curve, a resume,
+PyTorch bfloat16 features equal to the float32 model's within rounding (the replies' from the
+pass that wrote them), a few steps of EAGLE-3 with input norms, a training curve, a resume,
 and a draft file that loads and decodes exactly."""
 
 import glob
@@ -107,16 +108,15 @@ def test_replies_stage_writes_smollm2s_own_replies_to_training_first_turns(run):
   assert first_tokens_agree >= rows // 2
 
 
-def test_torch_features_are_the_float32_models_within_bfloat16(run):
-  work, log = run
-  assert 'features and soft labels of gen_sharegpt_zheldout.npz' in log
+def _assert_features_are_the_float32_models(shard, first_labelled=0):
+  """The stored features and soft labels of the first row of `shard` against the float32
+  model's teacher-forced ones, from position `first_labelled` on for the labels."""
   target = smollm2.load_model()
-  shard = os.path.join(work, 'gen_sharegpt_zheldout.npz')
   with np.load(shard) as gen, np.load(shard.replace('gen_', 'feat-l2-15-27_')) as feat, \
       np.load(shard.replace('gen_', 'label_')) as labels:
     n = int(gen['lengths'][0])
     row, stored = gen['tokens'][:1, :n], feat['features'][0, :n]
-    top_ids = labels['ids'][0, :n, 0]
+    top_ids, top_probs = labels['ids'][0, :n, 0], labels['probs'][0, :n, 0]
   source = target.definition.with_feature_layers((2, 15, 27))
   _, expected, _ = source.prefill_with_features(target.params, jnp.asarray(row),
                                                 jnp.array([n], jnp.int32),
@@ -127,7 +127,31 @@ def test_torch_features_are_the_float32_models_within_bfloat16(run):
   error = np.linalg.norm(got - expected, axis=-1) / np.linalg.norm(expected, axis=-1)
   assert np.median(error) < 0.02 and error.max() < 0.1
   logits = target.definition.forward(target.params, jnp.asarray(row))[0]
-  assert np.mean(np.asarray(jnp.argmax(logits, -1)) == top_ids) > 0.9
+  agree = np.asarray(jnp.argmax(logits, -1)) == top_ids
+  assert np.mean(agree[first_labelled:]) > 0.9
+  assert not top_probs[:first_labelled].any() and top_probs[first_labelled:].all()
+
+
+def test_torch_features_are_the_float32_models_within_bfloat16(run):
+  work, log = run
+  assert 'features and soft labels of gen_sharegpt_zheldout.npz' in log
+  _assert_features_are_the_float32_models(os.path.join(work, 'gen_sharegpt_zheldout.npz'))
+
+
+def test_own_replies_carry_features_from_the_pass_that_wrote_them(run):
+  """--reply_features: the replies stage writes the features and soft labels of its shards
+  (the features stage then skips them), as a second pass would have computed them."""
+  work, log = run
+  shards = sorted(glob.glob(os.path.join(work, 'gen_own_*.npz')))
+  assert shards and 'of gen_own_' not in log  # no features stage pass over them
+  for shard in shards:
+    with np.load(shard) as gen, np.load(shard.replace('gen_', 'feat-l2-15-27_')) as feat:
+      assert feat['features'].shape[:2] == gen['tokens'].shape and feat['seconds'] == 0.0
+      assert list(feat['layers']) == [2, 15, 27]
+  with np.load(shards[0]) as gen:
+    prompt_length = int(np.argmax(gen['loss_mask'][0]))
+  # labels from the prompt's last position (it predicts the reply's first token) on
+  _assert_features_are_the_float32_models(shards[0], first_labelled=prompt_length - 1)
 
 
 def test_training_writes_a_curve_resumes_and_the_draft_decodes_exactly(run, tmp_path):

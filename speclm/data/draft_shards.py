@@ -12,11 +12,16 @@ lengths, a loss mask or prompt lengths) beside `label_*.npz` (the target's soft 
 
 A name containing "heldout" (`gen_sharegpt_zheldout.npz`) is held out: never trained on.
 `generation_seconds.txt` beside them totals the seconds spent generating them (model cards).
+
+Feature files are the largest (about 3.5 KB a position for EAGLE-3's three layers): training
+reads them memory-mapped (`load_array`), so that millions of positions need not fit in memory.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import zipfile
 
 import numpy as np
 
@@ -85,3 +90,51 @@ def generation_seconds(work_dir: str, default: float = float('nan')) -> float:
     return default
   with open(path, encoding='utf-8') as f:
     return float(f.read())
+
+
+def feature_file(shard: str, layers: tuple[int, ...] | None) -> str:
+  """Where the target's features of `layers` (None: its final hidden states) for the data
+  shard gen_*.npz go: `features` `[N, T, F]` (bfloat16 bits as uint16), `seconds`, `layers`."""
+  tag = '' if layers is None else '-l' + '-'.join(map(str, layers))
+  return shard.replace('gen_', f'feat{tag}_')
+
+
+def label_file(shard: str) -> str:
+  """Where the target's soft labels for the data shard gen_*.npz go: `probs` `[N, T, k]`
+  (float16, its top k of the temperature-1 distribution at each position) and their `ids`."""
+  return shard.replace('gen_', 'label_')
+
+
+def save_npz(path: str, **arrays) -> None:
+  """np.savez (uncompressed, so `load_array` can map it) to `path`, whole or not at all: an
+  interrupted run leaves no partial file."""
+  tmp = path + '.tmp.npz'
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
+
+
+def load_array(path: str, name: str) -> np.ndarray:
+  """The array `name` of the .npz file at `path`, memory-mapped read-only where it is stored
+  uncompressed (as `save_npz` and np.savez write it): its pages are read when used and can be
+  dropped again, so no more of it stays in memory than the page cache holds. A compressed
+  member is read whole."""
+  with zipfile.ZipFile(path) as archive:
+    info = archive.getinfo(name + '.npy')
+    if info.compress_type != zipfile.ZIP_STORED:
+      with archive.open(info) as member:
+        return np.lib.format.read_array(member)
+  with open(path, 'rb') as f:
+    f.seek(info.header_offset)
+    local = f.read(30)  # the member's local header; its name and extra field follow
+    if local[:4] != b'PK\x03\x04':
+      raise ValueError(f'{path}: no zip member header at {info.header_offset}')
+    name_length, extra_length = struct.unpack('<HH', local[26:30])
+    f.seek(info.header_offset + 30 + name_length + extra_length)
+    version = np.lib.format.read_magic(f)
+    shape, fortran_order, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0(f))
+    offset = f.tell()
+  if dtype.hasobject:
+    raise ValueError(f'{path}: {name} holds Python objects; it cannot be mapped.')
+  return np.memmap(path, dtype=dtype, mode='r', offset=offset, shape=shape,
+                   order='F' if fortran_order else 'C')

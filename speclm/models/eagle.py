@@ -255,6 +255,24 @@ def eagle3_layers(num_target_layers: int) -> tuple[int, int, int]:
   return (min(2, num_target_layers - 3), num_target_layers // 2, num_target_layers - 3)
 
 
+def parse_feature_layers(value: str, num_target_layers: int) -> tuple[int, ...] | None:
+  """The training scripts' --feature_layers: 'eagle3' (`eagle3_layers`), 'final' (None: the
+  target's final hidden states, as EAGLE reads them) or decoder layers such as '2,15,27'."""
+  value = value.strip()
+  if value == 'final':
+    return None
+  if value == 'eagle3':
+    return eagle3_layers(num_target_layers)
+  try:
+    layers = tuple(int(v) for v in value.split(','))
+  except ValueError:
+    layers = ()
+  if not layers or any(not 0 <= i < num_target_layers for i in layers):
+    raise ValueError(f"feature layers {value!r}: 'eagle3', 'final' or decoder layers 0 …"
+                     f" {num_target_layers - 1} such as '2,15,27'.")
+  return layers
+
+
 # ----------------------------------------------------------------------------------------------
 # Training-time test (EAGLE-3): the draft trained on the features it will meet while drafting
 
