@@ -24,6 +24,7 @@ from absl import flags
 
 from speclm.analysis import benchmarking
 from speclm.data import builtin_prompts
+from speclm.data import torch_replies
 from speclm.models import eagle
 from speclm.presets import smollm2
 
@@ -36,7 +37,6 @@ _FEATURE_BATCH, _BUCKET = 8, 32  # the features stage's defaults
 
 def two_passes(model, forward, prompts, end_ids):
   """Replies, then the features stage's forward pass over prompt + reply."""
-  from speclm.data import torch_replies  # pylint: disable=import-outside-toplevel
   replies = torch_replies.generate(model, prompts, _NEW_TOKENS.value, end_ids)
   rows = [p + r for p, r in zip(prompts, replies)]
   width = -(-max(map(len, rows)) // _BUCKET) * _BUCKET
@@ -49,25 +49,9 @@ def two_passes(model, forward, prompts, end_ids):
 
 
 def one_pass(model, layers, prompts, end_ids):
-  from speclm.data import torch_replies  # pylint: disable=import-outside-toplevel
   rows = torch_replies.generate_with_features(model, prompts, _NEW_TOKENS.value, end_ids,
                                               layers, _TOP_K)
   return [row.reply for row in rows]
-
-
-def features_forward(model, layers):
-  """The features stage's PyTorch pass (scripts/train_smollm2_eagle.py's torch_forward)."""
-  import torch  # pylint: disable=import-outside-toplevel
-
-  def forward(tokens):
-    with torch.inference_mode():
-      out = model(torch.from_numpy(tokens), output_hidden_states=True)
-      features = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
-      probs, ids = torch.topk(torch.softmax(out.logits.float(), dim=-1), _TOP_K, dim=-1)
-    return (features.to(torch.bfloat16).view(torch.int16).numpy(),
-            probs.to(torch.float16).numpy(), ids.numpy())
-
-  return forward
 
 
 def main(argv):
@@ -82,7 +66,7 @@ def main(argv):
   texts = builtin_prompts.heldout_prompts(_PROMPTS.value)
   prompts = sorted((tokenizer.encode_chat(t) for t in texts), key=len)
   end_ids = tokenizer.end_ids
-  forward = features_forward(model, layers)
+  forward = torch_replies.teacher_forced_features(model, layers, _TOP_K)
   print(benchmarking.machine_line())
   print(f'{len(prompts)} prompts of {len(prompts[0])}-{len(prompts[-1])} tokens,'
         f' up to {_NEW_TOKENS.value} new tokens, layers {layers}, top {_TOP_K}')

@@ -243,24 +243,14 @@ def jax_forward(target, layers, top_k: int):
 
 def torch_forward(target, layers, top_k: int):
   """As `jax_forward`, from Hugging Face's model of the same weights in bfloat16 (features
-  within bfloat16 rounding of the float32 ones; `tests/test_train_eagle_script.py` compares)."""
+  within bfloat16 rounding of the float32 ones; `tests/test_train_eagle_script.py` compares):
+  `torch_replies.teacher_forced_features`."""
   import torch  # pylint: disable=import-outside-toplevel
   from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
+  from speclm.data import torch_replies  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(os.cpu_count() or 1)
   model = hf_llama.to_transformers(target).to(torch.bfloat16)
-
-  def forward(tokens):
-    with torch.inference_mode():
-      out = model(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
-      if layers is None:
-        features = out.hidden_states[-1]  # after the final norm: the head's input
-      else:  # hidden_states[i + 1] is the output of decoder layer i (counted from 0)
-        features = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
-      probs, ids = torch.topk(torch.softmax(out.logits.float(), dim=-1), top_k, dim=-1)
-    features = features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return features, probs.to(torch.float16).numpy(), ids.numpy().astype(np.int32)
-
-  return forward
+  return torch_replies.teacher_forced_features(model, layers, top_k)
 
 
 def load_data(layers):

@@ -113,3 +113,13 @@ def test_final_features_are_the_heads_input_and_bad_layers_are_refused(hf_model)
       torch_replies.generate_with_features(hf_model, PROMPTS, 2, [999], layers, 2)
   with pytest.raises(ValueError, match='top_k'):
     torch_replies.generate_with_features(hf_model, PROMPTS, 2, [999], (1,), 0)
+
+
+def test_a_second_teacher_forced_pass_gives_the_same_features_and_labels(hf_model):
+  rows = torch_replies.generate_with_features(hf_model, PROMPTS[:1], 6, [999], (1, 0), 3,
+                                              dtype=torch.float32)
+  tokens = np.asarray([PROMPTS[0] + rows[0].reply])
+  features, probs, ids = torch_replies.teacher_forced_features(hf_model, (1, 0), 3)(tokens)
+  np.testing.assert_allclose(_as_float(features[0]), _as_float(rows[0].features), atol=2e-2)
+  start = len(PROMPTS[0]) - 1  # where generate_with_features' labels begin
+  np.testing.assert_allclose(probs[0, start:], rows[0].probs[start:], atol=2e-3)

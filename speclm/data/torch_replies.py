@@ -190,6 +190,26 @@ def generate_with_features(hf_model, prompts: Sequence[Sequence[int]], max_new_t
   return out
 
 
+def teacher_forced_features(hf_model, feature_layers, top_k: int):
+  """A function tokens `[B, T]` -> (features `[B, T, F]` bfloat16 bits as uint16, top-k
+  probabilities float16, their ids int32) of text already written, from one forward pass of
+  transformers' model (the second pass `generate_with_features` saves). feature_layers:
+  decoder layers counted from 0, or None for the final norm's output."""
+
+  def forward(tokens):
+    with torch.inference_mode():
+      out = hf_model(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
+      if feature_layers is None:
+        features = out.hidden_states[-1]  # after the final norm: the head's input
+      else:  # hidden_states[i + 1] is the output of decoder layer i (counted from 0)
+        features = torch.cat([out.hidden_states[i + 1] for i in feature_layers], dim=-1)
+      probs, ids = torch.topk(torch.softmax(out.logits.float(), dim=-1), top_k, dim=-1)
+    features = features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return features, probs.to(torch.float16).numpy(), ids.numpy().astype(np.int32)
+
+  return forward
+
+
 def _top_k(logits, k: int):
   """Top k of softmax(logits) `[B, V]` -> (float16 probabilities, int32 ids) `[B, k]`."""
   probs, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
