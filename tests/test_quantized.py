@@ -19,9 +19,11 @@ Q = gguf.GGMLQuantizationType
 # Byte offsets of each block's float16 scales (d, and m or dmin where there is one).
 HALVES = {'Q8_0': (0,), 'Q4_0': (0,), 'Q4_1': (0, 2), 'Q4_K': (0, 2), 'Q5_K': (0, 2),
           'Q6_K': (208,)}
-# 1-5 rows take the widened weights in registers, more rows from a widened copy (5 at a time):
-# every count must give a row the same numbers.
+# 1-5 rows take the widened weights in registers, more rows from a widened copy (5 at a time);
+# the integer route takes rows 5 at a time: every count must give a row the same numbers.
 ROWS = (1, 2, 5, 6, 17, 64)
+# The formats that take integer products where the CPU has AVX512-VNNI (integer_blocks.h).
+INTEGER_FORMATS = ('Q4_0', 'Q4_1', 'Q8_0')
 
 
 def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -47,8 +49,13 @@ def test_widening_equals_gguf_dequantize(fmt):
                                 want[np.asarray(ids)])
 
 
-@pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))
-def test_products_match_float64_and_do_not_depend_on_the_row_count(fmt):
+def check_products(fmt: str, outliers: bool = False) -> np.ndarray:
+  """Asserts that the products of random rows are within float32 accuracy of the float64
+  products of the widened weights and that a row's product is bitwise the same whatever the
+  row count; returns the products of 64 rows. `outliers`: a few input channels 1,000 times
+  the others, as in a language model's hidden states; the integer route keeps each input to
+  1.2e-7 of the largest of its block of 32 (integer_blocks.h), so its bound adds 2.5e-7 of
+  Σ (block's largest |x|) |w|, which the float route meets too."""
   # A K that is not a multiple of the 1,024-weight flush nor of 64 (a last block of 32 alone);
   # the K-quants' K is a multiple of their 256-weight blocks.
   n, k = 83, 1312  # 83 = 5 · 16 + 3: a task of 3 output rows (the kernel takes 4 or 2 at once)
@@ -57,18 +64,74 @@ def test_products_match_float64_and_do_not_depend_on_the_row_count(fmt):
   rows = random_rows(fmt, n, k, seed=1)
   w = gguf.quants.dequantize(rows, Q[fmt]).astype(np.float64)
   x = np.random.default_rng(2).standard_normal((max(ROWS), k)).astype(np.float32)
+  if outliers:
+    x[:, [5, 40, 700]] *= 1000.0
   product = jax.jit(quantized.matmul, static_argnums=2)
   single = np.asarray(product(jnp.asarray(x[:1]), jnp.asarray(rows), fmt))
   for m in ROWS:
     y = np.asarray(product(jnp.asarray(x[:m]), jnp.asarray(rows), fmt))
     want = x[:m].astype(np.float64) @ w.T
     scale = np.abs(x[:m]).astype(np.float64) @ np.abs(w).T  # the size of the terms summed
-    assert np.all(np.abs(y - want) <= 1e-6 * scale + 1e-30), (fmt, m)
+    bound = 1e-6 * scale + 1e-30
+    if outliers:
+      largest = np.abs(x[:m]).reshape(m, -1, 32).max(-1).astype(np.float64)
+      bound += 2.5e-7 * (np.repeat(largest, 32, axis=1) @ np.abs(w).T)
+    assert np.all(np.abs(y - want) <= bound), (fmt, m)
     np.testing.assert_array_equal(y[:1], single, err_msg=f'{fmt}, {m} rows')  # bitwise
   # each row alone gives the numbers it gets among 64
   for r in (0, 16, 63):
     alone = np.asarray(product(jnp.asarray(x[r:r + 1]), jnp.asarray(rows), fmt))
     np.testing.assert_array_equal(alone[0], y[r])
+  return y
+
+
+@pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))
+def test_products_match_float64_and_do_not_depend_on_the_row_count(fmt):
+  check_products(fmt)
+
+
+@pytest.mark.parametrize('fmt', INTEGER_FORMATS)
+def test_inputs_with_outlier_channels_keep_float32_accuracy(fmt):
+  """The integer route scales each block of 32 inputs by its largest: the other inputs of a
+  block with one 1,000 times their size keep 23 bits of it, not of themselves."""
+  check_products(fmt, outliers=True)
+
+
+def test_the_float_route_keeps_the_guarantees_and_differs_from_the_integer_one(tmp_path):
+  """SPECLM_QUANTIZED_FLOAT=1 widens the 32-weight blocks to float32, as on CPUs without VNNI:
+  the same bounds and row-invariance. Where the CPU has VNNI the default route is the integer
+  one (integer_blocks.h): its products are not the float route's bit for bit."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('import sys; sys.path.insert(0, sys.argv[1]); import numpy as np; '
+          'import test_quantized as t\n'
+          'for fmt in t.INTEGER_FORMATS:\n'
+          '  np.save(f"{sys.argv[2]}/{fmt}.npy", t.check_products(fmt))\n')
+  env = dict(os.environ, SPECLM_QUANTIZED_FLOAT='1')
+  subprocess.run([sys.executable, '-c', code, os.path.dirname(__file__), str(tmp_path)],
+                 env=env, check=True)
+  with open('/proc/cpuinfo', encoding='utf-8') as f:
+    vnni = 'avx512_vnni' in f.read()
+  for fmt in INTEGER_FORMATS:
+    float_route = np.load(tmp_path / f'{fmt}.npy')
+    default_route = check_products(fmt)
+    assert np.array_equal(float_route, default_route) != vnni, fmt
+    np.testing.assert_allclose(default_route, float_route, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('fmt', INTEGER_FORMATS + ('Q4_K',))
+def test_a_nan_or_infinite_input_spoils_its_own_row_only(fmt):
+  rows = random_rows(fmt, 40, 512, seed=6)
+  x = np.random.default_rng(7).standard_normal((4, 512)).astype(np.float32)
+  x[1, 37] = np.nan
+  x[2, 100] = np.inf
+  product = jax.jit(quantized.matmul, static_argnums=2)
+  y = np.asarray(product(jnp.asarray(x), jnp.asarray(rows), fmt))
+  assert np.all(np.isnan(y[1])) and not np.any(np.isfinite(y[2]))
+  for r in (0, 3):
+    np.testing.assert_array_equal(
+        y[r], np.asarray(product(jnp.asarray(x[r:r + 1]), jnp.asarray(rows), fmt))[0])
 
 
 @pytest.mark.parametrize('fmt', ['Q4_K', 'Q8_0'])

@@ -91,7 +91,8 @@ CACHE_ATTENTION_TARGET = 'speclm_cache_attention'
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
                  for name in ('skinny_matmul.cc', 'quantized_matmul.cc', 'cache_attention.cc'))
 _HEADERS = tuple(os.path.join(os.path.dirname(__file__), name)  # part of the key
-                 for name in ('parallel_tasks.h', 'lanes.h', 'zero_rows.h'))
+                 for name in ('parallel_tasks.h', 'lanes.h', 'zero_rows.h',
+                              'integer_blocks.h'))
 
 
 def _cache_dir() -> str:

@@ -1,0 +1,337 @@
+// Products with GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1) on integer dot-product
+// instructions (AVX512-VNNI's vpdpbusd: 64 byte products an instruction), for
+// quantized_matmul.cc.
+//
+// The widening to float32 costs more than the products it feeds: about twelve vector
+// instructions for every 64 weights of a 4-bit row, against four multiply-adds for each input
+// row. Here the weights stay integers and the input rows become integers instead, once a call:
+//
+//   each block of 32 inputs x_j, with s = max|x_j| / 127 and u = s / 2^16, is written as
+//   X_j = 2^16 a_j + 2^8 b_j + c_j (three int8 digits: a = round(x / s), b and c the rounded
+//   remainders in steps of s / 2^8 and s / 2^16), so x_j = u X_j + e_j, |e_j| ≤ s / 2^16;
+//
+// a block's integer sum T = Σ q_j X_j is exact (three vpdpbusd per 64 products, shifted and
+// added in int32; vpdpbusd takes unsigned weights, so Q4's are q and Q8_0's q + 128, and the
+// sums are centred back in integers), and the block adds its share to the float sum:
+//   Q4_0 (w = d (q − 8))    u d Σ (q − 8) X
+//   Q4_1 (w = d q + m)      u d Σ (q − 8) X + (m + 8 d) · u ΣX
+//   Q8_0 (w = d q, q int8)  u d Σ q X
+// Each input is thus exact to 1.2e-7 of its block's largest |x| (23 bits), about float32's own
+// precision: products stay within 1e-6 of Σ|x||w| of the float64 product of the
+// widened weights (tests/test_quantized.py), as the float kernel's do.
+//
+// Lanes are output rows: sixteen stored rows (a task of quantized_matmul.cc) are read as
+// stored, a block's quant bytes transposed in registers so that each 32-bit lane holds four
+// consecutive weights of one row, and every vpdpbusd multiplies them by four digits of one
+// input row broadcast to all lanes. Each input row's arithmetic is the same whatever the
+// number of rows in the call (rows are taken five at a time, each with its own sums), so a
+// row's product does not depend on the call's row count. Sums go to float64 every 32 blocks.
+
+#ifndef SPECLM_KERNELS_INTEGER_BLOCKS_H_
+#define SPECLM_KERNELS_INTEGER_BLOCKS_H_
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECLM_INTEGER_BLOCKS 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace speclm {
+namespace integer_blocks {
+
+// Whether the products take this route: yes unless SPECLM_QUANTIZED_FLOAT is set to something
+// other than 0 (then the blocks are widened to float32 as on CPUs without VNNI; tests and A/B
+// timings use it). Read once a process.
+inline bool Enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("SPECLM_QUANTIZED_FLOAT");
+    return value == nullptr || value[0] == '\0' || (value[0] == '0' && value[1] == '\0');
+  }();
+  return enabled;
+}
+
+constexpr int64_t kBlock = 32;         // weights (and input values) a block
+constexpr int64_t kGroup = 16;         // stored rows a group: one lane each
+constexpr int64_t kMaxRows = 5;        // input rows a pass over the group
+constexpr int64_t kFlushBlocks = 32;   // blocks summed in float32 before a float64 flush
+constexpr int64_t kDigitBytes = 3 * kBlock;  // a block's digits a, b, c of one input row
+
+// An input block's scale u and its digit sums: ΣX = 2^16 Σa + Σbc, Σbc = 2^8 Σb + Σc.
+struct BlockScale {
+  float unit, unit_sum;  // u, u · ΣX
+  int32_t sum_a, sum_bc;
+};
+
+// The m input rows split into digits: row r's block b has its digits at
+// digits[(b · m + r) · 96] (a[32], b[32], c[32]; a block's rows are consecutive) and its scale
+// at scales[r · blocks + b].
+struct Digits {
+  std::vector<int8_t> digits;
+  std::vector<BlockScale> scales;
+  int64_t blocks = 0;
+};
+
+// Rounds to the nearest integer (ties to even) in int32 lanes.
+inline __m512i Round(__m512 v) {
+  return _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// v limited to −below … above.
+inline __m512i Clamp(__m512i v, int below, int above) {
+  return _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(above)),
+                          _mm512_set1_epi32(-below));
+}
+
+// Splits the m rows of x [m, k] (k a multiple of 32) into `out`.
+inline void Split(const float* x, int64_t m, int64_t k, Digits* out) {
+  const int64_t blocks = k / kBlock;
+  out->blocks = blocks;
+  out->digits.resize(m * blocks * kDigitBytes);
+  out->scales.resize(m * blocks);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + i * k + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+      const float largest = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const bool finite = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                           _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) == 0 &&
+                          largest <= 3.4e38f;
+      int8_t* d = out->digits.data() + (b * m + i) * kDigitBytes;
+      BlockScale* scale = out->scales.data() + i * blocks + b;
+      if (!finite || largest == 0.0f) {  // a NaN or infinite input makes the row's sums NaN
+        std::memset(d, 0, kDigitBytes);
+        const float unit = finite ? 0.0f : __builtin_nanf("");
+        *scale = {unit, unit, 0, 0};
+        continue;
+      }
+      const float s = largest / 127.0f, steps = 127.0f / largest;
+      __m512i sum_a = _mm512_setzero_si512(), sum_bc = _mm512_setzero_si512();
+      const __m512 halves[2] = {v0, v1};
+      for (int h = 0; h < 2; ++h) {
+        __m512i a = Clamp(Round(_mm512_mul_ps(halves[h], _mm512_set1_ps(steps))), 127, 127);
+        const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(s), halves[h]);
+        // |r1| ≤ s / 2, so b is −128 … 128; 128 carries into a (then below 127: a = 127 leaves
+        // r1 ≤ 0) as a + 1 and b = −128, the same X.
+        __m512i bb = Round(_mm512_mul_ps(r1, _mm512_set1_ps(steps * 256.0f)));
+        const __m512 r2 =
+            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(bb), _mm512_set1_ps(s / 256.0f), r1);
+        const __mmask16 carry = _mm512_cmpgt_epi32_mask(bb, _mm512_set1_epi32(127));
+        a = _mm512_mask_add_epi32(a, carry, a, _mm512_set1_epi32(1));
+        bb = Clamp(_mm512_mask_sub_epi32(bb, carry, bb, _mm512_set1_epi32(256)), 128, 127);
+        // |r2| ≤ s / 2^9: c is −128 … 128, and 128 is taken as 127 (one step of s / 2^16).
+        const __m512i c =
+            Clamp(Round(_mm512_mul_ps(r2, _mm512_set1_ps(steps * 65536.0f))), 128, 127);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16 * h), _mm512_cvtepi32_epi8(a));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 32 + 16 * h), _mm512_cvtepi32_epi8(bb));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 64 + 16 * h), _mm512_cvtepi32_epi8(c));
+        sum_a = _mm512_add_epi32(sum_a, a);
+        sum_bc = _mm512_add_epi32(sum_bc, _mm512_add_epi32(_mm512_slli_epi32(bb, 8), c));
+      }
+      scale->unit = s / 65536.0f;
+      scale->sum_a = _mm512_reduce_add_epi32(sum_a);
+      scale->sum_bc = _mm512_reduce_add_epi32(sum_bc);
+      scale->unit_sum =
+          scale->unit * static_cast<float>(65536 * scale->sum_a + scale->sum_bc);
+    }
+  }
+}
+
+// Each format: where a block's quant bytes start, and how its offset term is weighted.
+struct Q8_0Layout {
+  static constexpr int64_t kBytes = 34, kQuants = 2;
+  static constexpr bool kNibbles = false;
+};
+struct Q4_0Layout {
+  static constexpr int64_t kBytes = 18, kQuants = 2;
+  static constexpr bool kNibbles = true;
+};
+struct Q4_1Layout {
+  static constexpr int64_t kBytes = 20, kQuants = 4;
+  static constexpr bool kNibbles = true;
+};
+
+// Sixteen bytes at the same offset of sixteen rows, transposed: lane l of out[i] holds bytes
+// 4i … 4i + 3 of row l (rows `offsets` bytes from `p`).
+inline void Transpose16(const uint8_t* p, const int64_t* offsets, __m512i* out) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    __m512i v = _mm512_castsi128_si512(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offsets[4 * j])));
+    for (int t = 1; t < 4; ++t)
+      v = _mm512_inserti32x4(
+          v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + offsets[4 * j + t])), t);
+    z[j] = v;  // rows 4j … 4j + 3, four 32-bit words each
+  }
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i second = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23,
+                                           27, 31);
+  const __m512i a01 = _mm512_permutex2var_epi32(z[0], first, z[1]);  // rows 0–7: words 0, 1
+  const __m512i a23 = _mm512_permutex2var_epi32(z[0], second, z[1]);
+  const __m512i b01 = _mm512_permutex2var_epi32(z[2], first, z[3]);  // rows 8–15
+  const __m512i b23 = _mm512_permutex2var_epi32(z[2], second, z[3]);
+  out[0] = _mm512_shuffle_i64x2(a01, b01, 0x44);
+  out[1] = _mm512_shuffle_i64x2(a01, b01, 0xEE);
+  out[2] = _mm512_shuffle_i64x2(a23, b23, 0x44);
+  out[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
+}
+
+// A block of sixteen rows as eight vectors of unsigned weights q', lane l of w[i] weights
+// 4i … 4i + 3 of row l (q' = q for 4 bits, q + 128 for Q8_0), with its scale d and, for Q4_1,
+// the weight of the centred offset: w = d (q − 8) + (m + 8 d).
+template <typename L>
+inline void LoadBlock(const uint8_t* p, const int64_t* offsets, const __m512i& scale_offsets,
+                      __m512i* w, __m512* d, __m512* offset) {
+  const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
+  *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
+  *offset = _mm512_setzero_ps();
+  if constexpr (L::kNibbles) {
+    __m512i packed[4];
+    Transpose16(p + L::kQuants, offsets, packed);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; ++i) {  // low nibbles: weights 0–15, high: 16–31
+      w[i] = _mm512_and_si512(packed[i], low);
+      w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(packed[i], 4), low);
+    }
+    if constexpr (L::kQuants == 4) {
+      *offset = _mm512_fmadd_ps(*d, _mm512_set1_ps(8.0f),
+                                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+                                    _mm512_srli_epi32(halves, 16))));
+    }
+  } else {
+    Transpose16(p + L::kQuants, offsets, w);
+    Transpose16(p + L::kQuants + 16, offsets, w + 4);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(w[i], flip);  // q + 128
+  }
+}
+
+// acc += the byte products of w's lanes with the four bytes at p (the same in every lane),
+// taken as a broadcast memory operand: no instruction of its own to broadcast them.
+inline __m512i DotBroadcast(__m512i acc, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %[x]%{1to16%}, %[w], %[acc]"
+          : [acc] "+v"(acc)
+          : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// A block's share of an input row's sum, added to `sum`: its digit sums ta, tb, tc over the
+// stored q' (int32 lanes, one a stored row), the stored rows' d and offset weight, the input
+// block's scale. The sums are centred in integers first (q − 8, q), so that no float
+// subtraction of two large terms cancels: T = Σ (q' − z) X = Σ q' X − z ΣX, z = 8 or 128.
+template <typename L>
+inline __m512 AddBlock(__m512 sum, __m512i ta, __m512i tb, __m512i tc, __m512 d, __m512 offset,
+                       const BlockScale& s) {
+  __m512 total;
+  if constexpr (L::kNibbles) {
+    // |T| ≤ 32 · 8 · (127 · 2^16 + 128 · 2^8 + 128) < 2^31: exact in int32 lanes, whose sums wrap
+    // modulo 2^32 on the way (Σ q' X and 8 ΣX may each pass 2^31).
+    const int32_t centre = static_cast<int32_t>(static_cast<uint32_t>(
+        8 * (65536 * static_cast<int64_t>(s.sum_a) + s.sum_bc)));
+    total = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ta, 16), _mm512_slli_epi32(tb, 8)),
+                         tc),
+        _mm512_set1_epi32(centre)));
+  } else {  // Q8_0: 2^16 Σ q a may pass 2^31, so the a and the b, c parts are apart
+    const __m512i a = _mm512_sub_epi32(ta, _mm512_set1_epi32(128 * s.sum_a));
+    const __m512i bc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc),
+                                        _mm512_set1_epi32(128 * s.sum_bc));
+    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(65536.0f),
+                            _mm512_cvtepi32_ps(bc));
+  }
+  sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d, _mm512_set1_ps(s.unit)), sum);
+  if constexpr (L::kQuants == 4) sum = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.unit_sum), sum);
+  return sum;
+}
+
+// The products of kRows input rows (digits from `x`: block b's at x + b · stride, the rows 96
+// bytes apart; scales `scales[r]`) with a group of sixteen stored rows, `blocks` blocks each:
+// out[16 r + l] for stored row l.
+template <typename L, int kRows>
+inline void GroupProducts(const uint8_t* first, const int64_t* offsets,
+                          const __m512i& scale_offsets, int64_t blocks, const int8_t* x,
+                          int64_t stride, const BlockScale* const* scales, float* out) {
+  __m512d lo[kRows], hi[kRows];
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_pd();
+  for (int64_t b0 = 0; b0 < blocks; b0 += kFlushBlocks) {
+    __m512 sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < std::min(b0 + kFlushBlocks, blocks); ++b) {
+      __m512i w[8];
+      __m512 d, offset;
+      LoadBlock<L>(first + b * L::kBytes, offsets, scale_offsets, w, &d, &offset);
+      const int8_t* xb = x + b * stride;
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* xr = xb + r * kDigitBytes;
+        // Six independent chains (digit × even or odd word), so the multiply-adds overlap.
+        __m512i t[3][2];
+        for (int digit = 0; digit < 3; ++digit) {
+          t[digit][0] = t[digit][1] = _mm512_setzero_si512();
+          for (int i = 0; i < 8; ++i)
+            t[digit][i % 2] = DotBroadcast(t[digit][i % 2], w[i], xr + 32 * digit + 4 * i);
+        }
+        sum[r] = AddBlock<L>(sum[r], _mm512_add_epi32(t[0][0], t[0][1]),
+                             _mm512_add_epi32(t[1][0], t[1][1]),
+                             _mm512_add_epi32(t[2][0], t[2][1]), d, offset, scales[r][b]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      lo[r] = _mm512_add_pd(lo[r], _mm512_cvtps_pd(_mm512_castps512_ps256(sum[r])));
+      hi[r] = _mm512_add_pd(hi[r], _mm512_cvtps_pd(_mm512_extractf32x8_ps(sum[r], 1)));
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(out + 16 * r, _mm512_cvtpd_ps(lo[r]));
+    _mm256_storeu_ps(out + 16 * r + 8, _mm512_cvtpd_ps(hi[r]));
+  }
+}
+
+// Products of the m split rows with stored rows [first, end) (at most 16), written to
+// y[row_index[i] · n + row].
+template <typename L>
+inline void TaskProducts(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t end,
+                         const Digits& digits, int64_t m, const int64_t* row_index, int64_t n,
+                         float* y) {
+  int64_t offsets[kGroup];
+  alignas(64) int32_t scale_offsets[kGroup];
+  for (int64_t l = 0; l < kGroup; ++l) {  // a short last group repeats its last row
+    offsets[l] = std::min(l, end - first - 1) * row_bytes;
+    scale_offsets[l] = static_cast<int32_t>(offsets[l]);
+  }
+  const __m512i gather = _mm512_load_si512(scale_offsets);
+  const uint8_t* rows_start = w + first * row_bytes;
+  const int64_t blocks = digits.blocks, stride = m * kDigitBytes;
+  float out[kGroup * kMaxRows];
+  for (int64_t i0 = 0; i0 < m; i0 += kMaxRows) {
+    const int64_t count = std::min(kMaxRows, m - i0);
+    const int8_t* x = digits.digits.data() + i0 * kDigitBytes;
+    const BlockScale* scales[kMaxRows];
+    for (int64_t r = 0; r < count; ++r) scales[r] = digits.scales.data() + (i0 + r) * blocks;
+    const auto run = [&](auto rows) {
+      GroupProducts<L, decltype(rows)::value>(rows_start, offsets, gather, blocks, x, stride,
+                                              scales, out);
+    };
+    switch (count) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      default: run(std::integral_constant<int, 5>());
+    }
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t l = 0; l < end - first; ++l)
+        y[row_index[i0 + r] * n + first + l] = out[kGroup * r + l];
+  }
+}
+
+}  // namespace integer_blocks
+}  // namespace speclm
+
+#endif  // AVX512-VNNI
+#endif  // SPECLM_KERNELS_INTEGER_BLOCKS_H_
