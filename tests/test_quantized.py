@@ -23,7 +23,7 @@ HALVES = {'Q8_0': (0,), 'Q4_0': (0,), 'Q4_1': (0, 2), 'Q4_K': (0, 2), 'Q5_K': (0
 # the integer route takes rows 5 at a time: every count must give a row the same numbers.
 ROWS = (1, 2, 5, 6, 17, 64)
 # The formats that take integer products where the CPU has AVX512-VNNI (integer_blocks.h).
-INTEGER_FORMATS = ('Q4_0', 'Q4_1', 'Q8_0')
+INTEGER_FORMATS = tuple(sorted(quantized.FORMATS))
 
 
 def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -117,10 +117,11 @@ def test_the_float_route_keeps_the_guarantees_and_differs_from_the_integer_one(t
     float_route = np.load(tmp_path / f'{fmt}.npy')
     default_route = check_products(fmt)
     assert np.array_equal(float_route, default_route) != vnni, fmt
-    np.testing.assert_allclose(default_route, float_route, rtol=1e-5, atol=1e-5)
+    # (both within check_products' bound of the float64 product)
+    assert np.max(np.abs(default_route - float_route)) <= 1e-5 * np.max(np.abs(float_route))
 
 
-@pytest.mark.parametrize('fmt', INTEGER_FORMATS + ('Q4_K',))
+@pytest.mark.parametrize('fmt', INTEGER_FORMATS)
 def test_a_nan_or_infinite_input_spoils_its_own_row_only(fmt):
   rows = random_rows(fmt, 40, 512, seed=6)
   x = np.random.default_rng(7).standard_normal((4, 512)).astype(np.float32)

@@ -1,5 +1,5 @@
-// Products with GGUF's 32-weight blocks (Q8_0, Q4_0, Q4_1) on integer dot-product
-// instructions (AVX512-VNNI's vpdpbusd: 64 byte products an instruction), for
+// Products with GGUF's blocks (Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K, Q6_K) on integer
+// dot-product instructions (AVX512-VNNI's vpdpbusd: 64 byte products an instruction), for
 // quantized_matmul.cc.
 //
 // The widening to float32 costs more than the products it feeds: about twelve vector
@@ -11,11 +11,15 @@
 //   remainders in steps of s / 2^8 and s / 2^16), so x_j = u X_j + e_j, |e_j| ≤ s / 2^16;
 //
 // a block's integer sum T = Σ q_j X_j is exact (three vpdpbusd per 64 products, shifted and
-// added in int32; vpdpbusd takes unsigned weights, so Q4's are q and Q8_0's q + 128, and the
-// sums are centred back in integers), and the block adds its share to the float sum:
+// added in int32; vpdpbusd takes unsigned weights, so 4-6-bit quants go in as stored and Q8_0's
+// as q + 128, and the sums are centred back in integers), and the block adds its share to the
+// float sum:
 //   Q4_0 (w = d (q − 8))    u d Σ (q − 8) X
 //   Q4_1 (w = d q + m)      u d Σ (q − 8) X + (m + 8 d) · u ΣX
 //   Q8_0 (w = d q, q int8)  u d Σ q X
+//   Q4_K, Q5_K (w = d s_j q − dmin m_j per 32 of a superblock of 256)
+//                           u d s_j Σ (q − z) X + (z d s_j − dmin m_j) · u ΣX, z = 8, 16
+//   Q6_K (w = d s_i (q − 32) per 16)   u d s_i Σ (q − 32) X over each half of the block
 // Each input is thus exact to 1.2e-7 of its block's largest |x| (23 bits), about float32's own
 // precision: products stay within 1e-6 of Σ|x||w| of the float64 product of the
 // widened weights (tests/test_quantized.py), as the float kernel's do.
@@ -62,10 +66,11 @@ constexpr int64_t kMaxRows = 5;        // input rows a pass over the group
 constexpr int64_t kFlushBlocks = 32;   // blocks summed in float32 before a float64 flush
 constexpr int64_t kDigitBytes = 3 * kBlock;  // a block's digits a, b, c of one input row
 
-// An input block's scale u and its digit sums: ΣX = 2^16 Σa + Σbc, Σbc = 2^8 Σb + Σc.
+// An input block's scale u and its digit sums: ΣX = 2^16 Σa + Σbc, Σbc = 2^8 Σb + Σc; also
+// over its first 16 inputs (Q6_K scales halves of blocks).
 struct BlockScale {
   float unit, unit_sum;  // u, u · ΣX
-  int32_t sum_a, sum_bc;
+  int32_t sum_a, sum_bc, first_a, first_bc;
 };
 
 // The m input rows split into digits: row r's block b has its digits at
@@ -108,7 +113,7 @@ inline void Split(const float* x, int64_t m, int64_t k, Digits* out) {
       if (!finite || largest == 0.0f) {  // a NaN or infinite input makes the row's sums NaN
         std::memset(d, 0, kDigitBytes);
         const float unit = finite ? 0.0f : __builtin_nanf("");
-        *scale = {unit, unit, 0, 0};
+        *scale = {unit, unit, 0, 0, 0, 0};
         continue;
       }
       const float s = largest / 127.0f, steps = 127.0f / largest;
@@ -133,6 +138,10 @@ inline void Split(const float* x, int64_t m, int64_t k, Digits* out) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 64 + 16 * h), _mm512_cvtepi32_epi8(c));
         sum_a = _mm512_add_epi32(sum_a, a);
         sum_bc = _mm512_add_epi32(sum_bc, _mm512_add_epi32(_mm512_slli_epi32(bb, 8), c));
+        if (h == 0) {
+          scale->first_a = _mm512_reduce_add_epi32(sum_a);
+          scale->first_bc = _mm512_reduce_add_epi32(sum_bc);
+        }
       }
       scale->unit = s / 65536.0f;
       scale->sum_a = _mm512_reduce_add_epi32(sum_a);
@@ -143,19 +152,27 @@ inline void Split(const float* x, int64_t m, int64_t k, Digits* out) {
   }
 }
 
-// Each format: where a block's quant bytes start, and how its offset term is weighted.
-struct Q8_0Layout {
-  static constexpr int64_t kBytes = 34, kQuants = 2;
-  static constexpr bool kNibbles = false;
+// Each format: its block bytes, where a block's quants start, the centre z its sums are taken
+// about (Σ (q' − z) X: the middle of the unsigned quants q'), whether the block has an offset
+// term (w = d q + m, or the K-quants' d s q − dmin m) and whether its superblock's 6-bit scales
+// and mins are ggml's 12 packed bytes (Q4_K, Q5_K).
+template <int64_t Bytes, int64_t Quants, int64_t Centre, bool Offset, bool PackedScales>
+struct Layout {
+  static constexpr int64_t kBytes = Bytes, kQuants = Quants, kCentre = Centre;
+  static constexpr bool kOffset = Offset, kPackedScales = PackedScales;
 };
-struct Q4_0Layout {
-  static constexpr int64_t kBytes = 18, kQuants = 2;
-  static constexpr bool kNibbles = true;
-};
-struct Q4_1Layout {
-  static constexpr int64_t kBytes = 20, kQuants = 4;
-  static constexpr bool kNibbles = true;
-};
+//                        bytes  quants  z  offset packed scales
+using Q8_0Layout = Layout<34,    2,    128, false, false>;
+using Q4_0Layout = Layout<18,    2,      8, false, false>;
+using Q4_1Layout = Layout<20,    4,      8, true,  false>;
+// Q4_K: superblocks of 256 weights (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins,
+// 128 bytes of nibbles), each eight blocks of 32 with w = d s_j q − dmin m_j. Q5_K: as Q4_K,
+// with 32 bytes of fifth bits (bit j of byte l: weight l of block j) before the nibbles.
+using Q4_KLayout = Layout<144,   16,     8, true,  true>;
+using Q5_KLayout = Layout<176,   48,    16, true,  true>;
+// Q6_K: superblocks of 256 weights (210 bytes: 128 of low nibbles, 64 of high bit pairs, 16
+// int8 scales, d), sixteen runs of 16 with w = d s (q − 32); q is 6 bits.
+using Q6_KLayout = Layout<210,   0,     32, false, false>;
 
 // Sixteen bytes at the same offset of sixteen rows, transposed: lane l of out[i] holds bytes
 // 4i … 4i + 3 of row l (rows `offsets` bytes from `p`).
@@ -182,25 +199,96 @@ inline void Transpose16(const uint8_t* p, const int64_t* offsets, __m512i* out) 
   out[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
 }
 
-// A block of sixteen rows as eight vectors of unsigned weights q', lane l of w[i] weights
-// 4i … 4i + 3 of row l (q' = q for 4 bits, q + 128 for Q8_0), with its scale d and, for Q4_1,
-// the weight of the centred offset: w = d (q − 8) + (m + 8 d).
+// Block b (32 weights) of sixteen rows as eight vectors of unsigned weights q', lane l of w[i]
+// weights 4i … 4i + 3 of row l (q' = q for 4 and 6 bits, q + 128 for Q8_0), with its scale d
+// (Q6_K: d[0] and d[1], of its two halves) and, where the format has one, the weight of the
+// centred offset: w = d (q − 8) + (m + 8 d).
 template <typename L>
-inline void LoadBlock(const uint8_t* p, const int64_t* offsets, const __m512i& scale_offsets,
-                      __m512i* w, __m512* d, __m512* offset) {
-  const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
-  *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
+inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
+                      const __m512i& scale_offsets, __m512i* w, __m512* d, __m512* offset) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
   *offset = _mm512_setzero_ps();
-  if constexpr (L::kNibbles) {
+  if constexpr (L::kBytes == Q6_KLayout::kBytes) {
+    // Within a half of 128 weights (n), block k takes the low (k < 2) or high nibbles of bytes
+    // 32 (k % 2) … of its 64, bits 2k and 2k + 1 of its 32 high bytes, scales 2k and 2k + 1.
+    const uint8_t* p = first + b / 8 * L::kBytes;
+    const int n = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
+    const uint8_t* nibbles = p + 64 * n + 32 * (k % 2);
+    const uint8_t* high = p + 128 + 32 * n;
+    __m512i pairs[8];
+    Transpose16(nibbles, offsets, w);
+    Transpose16(nibbles + 16, offsets, w + 4);
+    Transpose16(high, offsets, pairs);
+    Transpose16(high + 16, offsets, pairs + 4);
+    const __m512i two = _mm512_set1_epi8(3);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i q = _mm512_and_si512(k / 2 ? _mm512_srli_epi16(w[i], 4) : w[i], low);
+      const __m512i top = _mm512_and_si512(_mm512_srli_epi16(pairs[i], 2 * k), two);
+      w[i] = _mm512_or_si512(q, _mm512_slli_epi16(top, 4));
+    }
+    const __m512i scales = _mm512_i32gather_epi32(scale_offsets, p + 192 + 8 * n + 2 * k, 1);
+    const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_i32gather_epi32(scale_offsets, p + 206, 1), 16)));
+    d[0] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(scales, 24),
+                                                                  24)));
+    d[1] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(scales, 16),
+                                                                  24)));
+    return;
+  }
+  if constexpr (L::kPackedScales) {
+    const uint8_t* p = first + b / 8 * L::kBytes;
+    const int j = static_cast<int>(b % 8), shift = 8 * (j % 4);
+    const auto word = [&](int at) {  // bytes at … at + 3 of each row, shifted to byte j % 4
+      return _mm512_srli_epi32(_mm512_i32gather_epi32(scale_offsets, p + at, 1), shift);
+    };
+    const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
+    const __m512i s0 = word(4), s1 = word(8), six = _mm512_set1_epi32(63);
+    __m512i scale, min;  // the 6-bit s_j and m_j, as ggml's get_scale_min_k4 reads them
+    if (j < 4) {
+      scale = _mm512_and_si512(s0, six);
+      min = _mm512_and_si512(s1, six);
+    } else {
+      const __m512i s2 = word(12), four = _mm512_set1_epi32(0xf), top = _mm512_set1_epi32(0x30);
+      scale = _mm512_or_si512(_mm512_and_si512(s2, four),
+                              _mm512_and_si512(_mm512_srli_epi32(s0, 2), top));
+      min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 4), four),
+                            _mm512_and_si512(_mm512_srli_epi32(s1, 2), top));
+    }
+    d[0] = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves)),
+                         _mm512_cvtepi32_ps(scale));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(halves, 16)));
+    *offset = _mm512_fmsub_ps(d[0], _mm512_set1_ps(static_cast<float>(L::kCentre)),
+                              _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min)));
+    // Blocks 2c and 2c + 1 are the low and the high nibbles of the same 32 bytes.
+    const uint8_t* quants = p + L::kQuants + 32 * (j / 2);
+    Transpose16(quants, offsets, w);
+    Transpose16(quants + 16, offsets, w + 4);
+    for (int i = 0; i < 8; ++i)
+      w[i] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(w[i], 4) : w[i], low);
+    if constexpr (L::kCentre == 16) {  // Q5_K: bit j of the 32 bytes at 16 is the fifth bit
+      __m512i fifth[8];
+      Transpose16(p + 16, offsets, fifth);
+      Transpose16(p + 32, offsets, fifth + 4);
+      const __m512i one = _mm512_set1_epi8(1);
+      for (int i = 0; i < 8; ++i) {
+        const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(fifth[i], j), one);
+        w[i] = _mm512_or_si512(w[i], _mm512_slli_epi16(bit, 4));
+      }
+    }
+    return;
+  }
+  const uint8_t* p = first + b * L::kBytes;
+  const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
+  d[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
+  if constexpr (L::kCentre == 8) {
     __m512i packed[4];
     Transpose16(p + L::kQuants, offsets, packed);
-    const __m512i low = _mm512_set1_epi8(0x0f);
     for (int i = 0; i < 4; ++i) {  // low nibbles: weights 0–15, high: 16–31
       w[i] = _mm512_and_si512(packed[i], low);
       w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(packed[i], 4), low);
     }
-    if constexpr (L::kQuants == 4) {
-      *offset = _mm512_fmadd_ps(*d, _mm512_set1_ps(8.0f),
+    if constexpr (L::kOffset) {
+      *offset = _mm512_fmadd_ps(d[0], _mm512_set1_ps(8.0f),
                                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
                                     _mm512_srli_epi32(halves, 16))));
     }
@@ -221,15 +309,37 @@ inline __m512i DotBroadcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
-// A block's share of an input row's sum, added to `sum`: its digit sums ta, tb, tc over the
-// stored q' (int32 lanes, one a stored row), the stored rows' d and offset weight, the input
-// block's scale. The sums are centred in integers first (q − 8, q), so that no float
-// subtraction of two large terms cancels: T = Σ (q' − z) X = Σ q' X − z ΣX, z = 8 or 128.
+// A block's share of an input row's sum, added to `sum`: its digit sums t[digit][half] over the
+// stored q' (int32 lanes, one a stored row; halves of 16 weights), the stored rows' d and offset
+// weight, the input block's scale. The sums are centred in integers first (q − 8, q, q − 32),
+// so that no float subtraction of two large terms cancels: T = Σ (q' − z) X = Σ q' X − z ΣX.
 template <typename L>
-inline __m512 AddBlock(__m512 sum, __m512i ta, __m512i tb, __m512i tc, __m512 d, __m512 offset,
+inline __m512 AddBlock(__m512 sum, const __m512i (&t)[3][2], const __m512* d, __m512 offset,
                        const BlockScale& s) {
+  const __m512 unit = _mm512_set1_ps(s.unit);
+  // Σ (q' − z) X from the a digits' sums and the b, c digits' sums, scaled apart in float32
+  // where 2^16 Σ (q' − z) a may pass 2^31 (Q8_0, Q5_K, Q6_K).
+  const auto centred = [](__m512i ta, __m512i tb, __m512i tc, int32_t za, int32_t zbc) {
+    const __m512i a = _mm512_sub_epi32(ta, _mm512_set1_epi32(za));
+    const __m512i bc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc),
+                                        _mm512_set1_epi32(zbc));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(65536.0f),
+                           _mm512_cvtepi32_ps(bc));
+  };
+  if constexpr (L::kBytes == Q6_KLayout::kBytes) {  // two halves, each with its own scale
+    const int32_t a[2] = {s.first_a, s.sum_a - s.first_a};
+    const int32_t bc[2] = {s.first_bc, s.sum_bc - s.first_bc};
+    for (int h = 0; h < 2; ++h) {
+      const __m512 total = centred(t[0][h], t[1][h], t[2][h], 32 * a[h], 32 * bc[h]);
+      sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d[h], unit), sum);
+    }
+    return sum;
+  }
+  const __m512i ta = _mm512_add_epi32(t[0][0], t[0][1]);
+  const __m512i tb = _mm512_add_epi32(t[1][0], t[1][1]);
+  const __m512i tc = _mm512_add_epi32(t[2][0], t[2][1]);
   __m512 total;
-  if constexpr (L::kNibbles) {
+  if constexpr (L::kCentre == 8) {
     // |T| ≤ 32 · 8 · (127 · 2^16 + 128 · 2^8 + 128) < 2^31: exact in int32 lanes, whose sums wrap
     // modulo 2^32 on the way (Σ q' X and 8 ΣX may each pass 2^31).
     const int32_t centre = static_cast<int32_t>(static_cast<uint32_t>(
@@ -238,15 +348,11 @@ inline __m512 AddBlock(__m512 sum, __m512i ta, __m512i tb, __m512i tc, __m512 d,
         _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ta, 16), _mm512_slli_epi32(tb, 8)),
                          tc),
         _mm512_set1_epi32(centre)));
-  } else {  // Q8_0: 2^16 Σ q a may pass 2^31, so the a and the b, c parts are apart
-    const __m512i a = _mm512_sub_epi32(ta, _mm512_set1_epi32(128 * s.sum_a));
-    const __m512i bc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc),
-                                        _mm512_set1_epi32(128 * s.sum_bc));
-    total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(65536.0f),
-                            _mm512_cvtepi32_ps(bc));
+  } else {
+    total = centred(ta, tb, tc, L::kCentre * s.sum_a, L::kCentre * s.sum_bc);
   }
-  sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d, _mm512_set1_ps(s.unit)), sum);
-  if constexpr (L::kQuants == 4) sum = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.unit_sum), sum);
+  sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d[0], unit), sum);
+  if constexpr (L::kOffset) sum = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.unit_sum), sum);
   return sum;
 }
 
@@ -264,21 +370,19 @@ inline void GroupProducts(const uint8_t* first, const int64_t* offsets,
     for (int r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_ps();
     for (int64_t b = b0; b < std::min(b0 + kFlushBlocks, blocks); ++b) {
       __m512i w[8];
-      __m512 d, offset;
-      LoadBlock<L>(first + b * L::kBytes, offsets, scale_offsets, w, &d, &offset);
+      __m512 d[2], offset;
+      LoadBlock<L>(first, b, offsets, scale_offsets, w, d, &offset);
       const int8_t* xb = x + b * stride;
       for (int r = 0; r < kRows; ++r) {
         const int8_t* xr = xb + r * kDigitBytes;
-        // Six independent chains (digit × even or odd word), so the multiply-adds overlap.
+        // Six independent chains (digit × half of the block), so the multiply-adds overlap.
         __m512i t[3][2];
         for (int digit = 0; digit < 3; ++digit) {
           t[digit][0] = t[digit][1] = _mm512_setzero_si512();
           for (int i = 0; i < 8; ++i)
-            t[digit][i % 2] = DotBroadcast(t[digit][i % 2], w[i], xr + 32 * digit + 4 * i);
+            t[digit][i / 4] = DotBroadcast(t[digit][i / 4], w[i], xr + 32 * digit + 4 * i);
         }
-        sum[r] = AddBlock<L>(sum[r], _mm512_add_epi32(t[0][0], t[0][1]),
-                             _mm512_add_epi32(t[1][0], t[1][1]),
-                             _mm512_add_epi32(t[2][0], t[2][1]), d, offset, scales[r][b]);
+        sum[r] = AddBlock<L>(sum[r], t, d, offset, scales[r][b]);
       }
     }
     for (int r = 0; r < kRows; ++r) {

@@ -15,10 +15,10 @@ Formats: Q8_0, Q4_0, Q4_1 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K
 other GGUF types load as float32 (`gguf.load_model` says so in one line). A row's product is
 summed in one fixed order whatever the number of rows in the call, so speculative
 verification gives the numbers of a single-row decode step bit for bit (greedy speculative
-output equals the baseline's). Where the CPU has AVX512-VNNI, Q8_0, Q4_0 and Q4_1 take integer
-products instead of widening (`integer_blocks.h`: each block of 32 inputs split into three
-int8 digits, 23 bits of its largest value; 1.3-1.7x faster); `SPECLM_QUANTIZED_FLOAT=1` in the
-environment keeps the float route (read once a process).
+output equals the baseline's). Where the CPU has AVX512-VNNI, every format takes integer products
+instead of widening (`integer_blocks.h`: each block of 32 inputs split into three int8 digits,
+23 bits of its largest value; 1.3-2.7x faster); `SPECLM_QUANTIZED_FLOAT=1` in the environment
+keeps the float route (read once a process).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 // Q5_K, Q6_K: 256), read as stored and widened to float32 in registers. No float32 copy of
 // the matrix exists: a 4-bit matrix streams about 0.56 bytes a weight instead of 4.
 //
-// Where the CPU has AVX512-VNNI, the 32-weight formats (Q8_0, Q4_0, Q4_1) take integer products
-// instead (integer_blocks.h: the input rows split into three int8 digits a block, the weights
-// never widened), 1.3-1.6x the float route's speed on SmolLM2's shapes at 1-5 rows.
+// Where the CPU has AVX512-VNNI, every format takes integer products instead (integer_blocks.h:
+// the input rows split into three int8 digits a block of 32, the weights never widened),
+// 1.3-2.7x the float route's speed at 1-5 rows; SPECLM_QUANTIZED_FLOAT=1 keeps the float route.
 //
 // Threads take output rows 16 at a time (`speclm::RunTasks`, parallel_tasks.h: the calling
 // thread and helpers on XLA's own thread pool). With up to five input rows (a decode step, or
@@ -409,25 +409,25 @@ inline int64_t DotOutputGroups(const float* x, int64_t k_dim, SourceOf source, i
   return row;
 }
 
-// The 32-weight formats' layouts for integer_blocks.h, where the CPU has AVX512-VNNI (the
-// kernel is compiled for the machine it runs on); the K-quants, and other CPUs, widen to float.
+// Each format's layout for integer_blocks.h, where the CPU has AVX512-VNNI (the kernel is
+// compiled for the machine it runs on); other CPUs widen to float.
 template <typename F>
 struct IntegerLayout {
   using type = void;
 };
 #if defined(SPECLM_INTEGER_BLOCKS)
-template <>
-struct IntegerLayout<Q8_0> {
-  using type = speclm::integer_blocks::Q8_0Layout;
-};
-template <>
-struct IntegerLayout<Q4_0> {
-  using type = speclm::integer_blocks::Q4_0Layout;
-};
-template <>
-struct IntegerLayout<Q4_1> {
-  using type = speclm::integer_blocks::Q4_1Layout;
-};
+#define SPECLM_INTEGER_LAYOUT(F)                   \
+  template <>                                      \
+  struct IntegerLayout<F> {                        \
+    using type = speclm::integer_blocks::F##Layout; \
+  };
+SPECLM_INTEGER_LAYOUT(Q8_0)
+SPECLM_INTEGER_LAYOUT(Q4_0)
+SPECLM_INTEGER_LAYOUT(Q4_1)
+SPECLM_INTEGER_LAYOUT(Q4_K)
+SPECLM_INTEGER_LAYOUT(Q5_K)
+SPECLM_INTEGER_LAYOUT(Q6_K)
+#undef SPECLM_INTEGER_LAYOUT
 #endif
 
 template <typename F>
@@ -451,7 +451,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   speclm::ZeroDeadRows(live, x_dims[0], n, y_data);
   if (m == 0) return ffi::Error::Success();
 #if defined(SPECLM_INTEGER_BLOCKS)
-  // The 32-weight formats on integer products (integer_blocks.h), where the CPU has VNNI.
+  // Integer products (integer_blocks.h), where the CPU has VNNI.
   namespace ib = speclm::integer_blocks;
   using Layout = typename IntegerLayout<F>::type;
   if constexpr (!std::is_void_v<Layout>) {
