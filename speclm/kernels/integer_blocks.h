@@ -317,8 +317,10 @@ template <typename L>
 inline __m512 AddBlock(__m512 sum, const __m512i (&t)[3][2], const __m512* d, __m512 offset,
                        const BlockScale& s) {
   const __m512 unit = _mm512_set1_ps(s.unit);
-  // Σ (q' − z) X from the a digits' sums and the b, c digits' sums, scaled apart in float32
-  // where 2^16 Σ (q' − z) a may pass 2^31 (Q8_0, Q5_K, Q6_K).
+  // Σ (q' − z) X = 2^16 (Σ q' a − z Σa) + (2^8 Σ q' b + Σ q' c − z Σbc): both parts exact in
+  // int32 and in float32 (below 2^24 for the b, c part of 4-bit quants, where the whole is then
+  // rounded once, as a conversion of the exact sum would be), and 2^16 times the first part
+  // may pass 2^31 (Q8_0, Q5_K, Q6_K), so they are joined by one float multiply-add.
   const auto centred = [](__m512i ta, __m512i tb, __m512i tc, int32_t za, int32_t zbc) {
     const __m512i a = _mm512_sub_epi32(ta, _mm512_set1_epi32(za));
     const __m512i bc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc),
@@ -335,22 +337,10 @@ inline __m512 AddBlock(__m512 sum, const __m512i (&t)[3][2], const __m512* d, __
     }
     return sum;
   }
-  const __m512i ta = _mm512_add_epi32(t[0][0], t[0][1]);
-  const __m512i tb = _mm512_add_epi32(t[1][0], t[1][1]);
-  const __m512i tc = _mm512_add_epi32(t[2][0], t[2][1]);
-  __m512 total;
-  if constexpr (L::kCentre == 8) {
-    // |T| ≤ 32 · 8 · (127 · 2^16 + 128 · 2^8 + 128) < 2^31: exact in int32 lanes, whose sums wrap
-    // modulo 2^32 on the way (Σ q' X and 8 ΣX may each pass 2^31).
-    const int32_t centre = static_cast<int32_t>(static_cast<uint32_t>(
-        8 * (65536 * static_cast<int64_t>(s.sum_a) + s.sum_bc)));
-    total = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ta, 16), _mm512_slli_epi32(tb, 8)),
-                         tc),
-        _mm512_set1_epi32(centre)));
-  } else {
-    total = centred(ta, tb, tc, L::kCentre * s.sum_a, L::kCentre * s.sum_bc);
-  }
+  const __m512 total = centred(_mm512_add_epi32(t[0][0], t[0][1]),
+                               _mm512_add_epi32(t[1][0], t[1][1]),
+                               _mm512_add_epi32(t[2][0], t[2][1]), L::kCentre * s.sum_a,
+                               L::kCentre * s.sum_bc);
   sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d[0], unit), sum);
   if constexpr (L::kOffset) sum = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.unit_sum), sum);
   return sum;

@@ -457,10 +457,13 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if constexpr (!std::is_void_v<Layout>) {
     if (ib::Enabled()) {
       static_assert(kRowsPerTask == ib::kGroup, "a task is one group of lanes");
-      ib::Digits digits;
+      // The calling thread's buffers, reused from call to call; the tasks, on other threads
+      // too, read them through `split` (a thread_local named in the lambda would be theirs).
+      thread_local ib::Digits digits;
       ib::Split(x_data, m, k_dim, &digits);
+      const ib::Digits& split = digits;
       speclm::RunTasks(pool, n, kRowsPerTask, [&](int64_t first, int64_t end) {
-        ib::TaskProducts<Layout>(w_data, row_bytes, first, end, digits, m, row_index, n, y_data);
+        ib::TaskProducts<Layout>(w_data, row_bytes, first, end, split, m, row_index, n, y_data);
       });
       return ffi::Error::Success();
     }
