@@ -16,7 +16,7 @@ Stages (each resumable; `--stage=all` runs them in order):
      Writes gen_sharegpt_*.npz (tokens, lengths, loss_mask) into --work_dir, the held-out ones
      as gen_sharegpt_zheldout.npz (the last shard: `train_smollm2_eagle.py`'s held-out shard).
   2. replies: SmolLM2's own replies (up to --reply_tokens) to the first user turns of the same
-     training conversations, --reply_batch of similar length at a time, every
+     training conversations (--reply_turn=N: their N-th turns, after the earlier ones), --reply_batch of similar length at a time, every
      --sampled_every-th batch at T = 1 and the others greedy, in PyTorch bfloat16
      (`speclm.data.torch_replies`), until --replies_budget_s: gen_own_*.npz, the same format
      (the loss on the reply and its end token). --first_reply_batch=N starts at the N-th
@@ -91,7 +91,12 @@ _FIRST_REPLY_BATCH = flags.DEFINE_integer(
     ' sets N to answer prompts it has not learned from.')
 _REPLY_BATCH = flags.DEFINE_integer('reply_batch', 64, 'Prompts answered together.')
 _MAX_PROMPT_TOKENS = flags.DEFINE_integer('max_prompt_tokens', 320,
-                                          'Longer first turns get no own reply.')
+                                          'Longer prompts get no own reply.')
+_REPLY_TURN = flags.DEFINE_integer(
+    'reply_turn', 1, 'The user turn SmolLM2 answers: 1, the first; N > 1, the N-th of the'
+    " conversations that have one, after the earlier turns with ShareGPT's replies (as"
+    " MT-bench's second question follows a first answer). Its batches are gen_own_t{N}_*.npz,"
+    ' numbered in their own shuffled order.')
 _SAMPLED_EVERY = flags.DEFINE_integer(
     'sampled_every', 4, 'Every n-th batch of own replies is sampled at T = 1, the rest greedy'
     ' (0: all greedy).')
@@ -184,27 +189,49 @@ def make_data(work_dir: str) -> None:
   _save_shard(os.path.join(work_dir, 'gen_sharegpt_zheldout.npz'), heldout)
 
 
-def own_reply_prompts(tokenizer) -> list[list[int]]:
-  """SmolLM2's chat prompts of the first user turns of the training conversations (hash
-  order; held-out and overlapping ones left out; longer than --max_prompt_tokens skipped)."""
-  prompts, long = [], 0
+def own_reply_prompts(tokenizer, turn: int = 1) -> list[list[int]]:
+  """SmolLM2's chat prompts for the `turn`-th user turns of the training conversations (hash
+  order; held-out and overlapping ones left out; longer than --max_prompt_tokens skipped): the
+  conversation up to that turn, earlier replies as ShareGPT has them."""
+  prompts, long, fewer = [], 0, 0
   for conversation, held in conversations_in_order(sharegpt.ReadCounts(), [0]):
-    first = next((m for m in conversation.messages if m['role'] == 'user'), None)
-    if held or first is None:
+    if held:
       continue
-    ids = tokenizer.encode_chat(first['content'])
+    context = conversation_before_turn(conversation.messages, turn)
+    if context is None:
+      fewer += 1
+      continue
+    ids = tokenizer.encode_chat(context)
     if len(ids) > _MAX_PROMPT_TOKENS.value:
       long += 1
       continue
     prompts.append(ids)
-  logging.info('%d first turns to answer (%d longer than %d tokens skipped)', len(prompts), long,
-               _MAX_PROMPT_TOKENS.value)
+  logging.info('%d prompts of user turn %d to answer (%d longer than %d tokens skipped, %d'
+               ' conversations with fewer turns)', len(prompts), turn, long,
+               _MAX_PROMPT_TOKENS.value, fewer)
   return prompts
 
 
+def conversation_before_turn(messages, turn: int) -> list[dict[str, str]] | None:
+  """The messages up to and including the `turn`-th user message (1-based), or None where the
+  conversation has fewer user turns."""
+  users = [i for i, m in enumerate(messages) if m['role'] == 'user']
+  if turn < 1:
+    raise ValueError(f'turn must be at least 1, got {turn}')
+  if len(users) < turn:
+    return None
+  return list(messages[:users[turn - 1] + 1])
+
+
+def reply_shard_name(turn: int, number: int) -> str:
+  """The file of own-reply batch `number` of user turn `turn` (the first turn's keep their
+  earlier names)."""
+  return f'gen_own_{number:04d}.npz' if turn == 1 else f'gen_own_t{turn}_{number:04d}.npz'
+
+
 def make_replies(work_dir: str) -> None:
-  """The replies stage: SmolLM2's own replies to the training conversations' first turns,
-  `gen_own_{batch}.npz` (the same format as the ShareGPT shards: tokens, lengths, loss_mask on
+  """The replies stage: SmolLM2's own replies to the training conversations' first turns (or
+  --reply_turn's), `gen_own_{batch}.npz` (`reply_shard_name`; the same format as the ShareGPT shards: tokens, lengths, loss_mask on
   the reply and its end token), --reply_batch prompts of similar length at a time; every
   --sampled_every-th batch sampled at T = 1, the others greedy. In PyTorch bfloat16
   (`speclm.data.torch_replies`); resumable, until --replies_budget_s."""
@@ -215,7 +242,10 @@ def make_replies(work_dir: str) -> None:
   if budget <= 0:
     return
   tokenizer = smollm2.load_tokenizer()
-  prompts = own_reply_prompts(tokenizer)
+  turn = _REPLY_TURN.value
+  if turn < 1:
+    raise app.UsageError(f'--reply_turn must be at least 1, got {turn}.')
+  prompts = own_reply_prompts(tokenizer, turn)
   size = _REPLY_BATCH.value
   # Batches of similar lengths (little padding), answered in a shuffled order so that a budget
   # cuts every length alike.
@@ -233,12 +263,12 @@ def make_replies(work_dir: str) -> None:
     except ValueError as e:
       raise app.UsageError(f'--feature_layers: {e}') from None
   start, tokens_written = time.time(), 0
-  done = [n for n in order if os.path.exists(os.path.join(work_dir, f'gen_own_{n:04d}.npz'))]
+  done = [n for n in order if os.path.exists(os.path.join(work_dir, reply_shard_name(turn, n)))]
   bar = progress.Progress(sum(len(batches[n]) for n in order),
                           initial=sum(len(batches[n]) for n in done),
                           label='own replies (prompts)')
   for number in order:
-    path = os.path.join(work_dir, f'gen_own_{number:04d}.npz')
+    path = os.path.join(work_dir, reply_shard_name(turn, number))
     if os.path.exists(path):
       continue
     if time.time() - start >= budget:
@@ -248,7 +278,7 @@ def make_replies(work_dir: str) -> None:
     sampled = bool(_SAMPLED_EVERY.value) and number % _SAMPLED_EVERY.value == 0
     batch = batches[number]
     kwargs = dict(temperature=1.0 if sampled else 0.0, threads=os.cpu_count(),
-                  seed=_SEED.value * 100_003 + int(number))
+                  seed=_SEED.value * 100_003 + int(number) + 7_919 * (turn - 1))
     if layers is False:
       replies = torch_replies.generate(model, batch, _REPLY_TOKENS.value, tokenizer.end_ids,
                                        **kwargs)
@@ -269,9 +299,10 @@ def make_replies(work_dir: str) -> None:
                  'T = 1' if sampled else 'greedy', count, time.time() - began,
                  count / (time.time() - began))
   bar.close()
-  logging.info('own replies: %d reply tokens this run in %.0fs; %d of %d batches written',
-               tokens_written, time.time() - start,
-               len(glob.glob(os.path.join(work_dir, 'gen_own_*.npz'))), len(batches))
+  logging.info('own replies: %d reply tokens this run in %.0fs; %d of %d batches of turn %d'
+               ' written', tokens_written, time.time() - start,
+               sum(os.path.exists(os.path.join(work_dir, reply_shard_name(turn, n)))
+                   for n in range(len(batches))), len(batches), turn)
 
 
 def _save_reply_features(path: str, rows, layers) -> None:

@@ -84,7 +84,7 @@ def test_data_stage_writes_masked_pieces_without_the_evaluation_question(run):
 
 def test_replies_stage_writes_smollm2s_own_replies_to_training_first_turns(run):
   work, log = run
-  assert 'first turns to answer' in log and 'own replies:' in log
+  assert 'prompts of user turn 1 to answer' in log and 'own replies:' in log
   shards = sorted(glob.glob(os.path.join(work, 'gen_own_*.npz')))
   assert shards
   tokenizer = smollm2.load_tokenizer()
@@ -106,6 +106,35 @@ def test_replies_stage_writes_smollm2s_own_replies_to_training_first_turns(run):
       rows += 1
   # greedy rows (3 batches of 4 in 4) start with the float32 model's argmax, up to bfloat16
   assert first_tokens_agree >= rows // 2
+
+
+def test_replies_to_a_later_turn_follow_the_earlier_exchange(tmp_path):
+  """--reply_turn=2: SmolLM2 answers the second user turn after the first turn and ShareGPT's
+  reply to it, in shards of their own (gen_own_t2_*), with the loss on its reply alone."""
+  questions = tmp_path / 'question.jsonl'
+  questions.write_text(json.dumps({'question_id': 1, 'category': 'writing',
+                                   'turns': [QUESTION]}) + '\n', encoding='utf-8')
+  work = tmp_path / 'work'
+  log = run_script(SCRIPT, *TINY, f'--work_dir={work}', '--stage=replies', '--reply_turn=2',
+                   '--max_prompt_tokens=400',
+                   f'--sharegpt_file={_sharegpt_file(tmp_path / "sharegpt.json")}',
+                   f'--spec_bench_file={questions}')
+  assert 'prompts of user turn 2 to answer' in log
+  assert not glob.glob(os.path.join(work, 'gen_own_0*.npz'))
+  shards = sorted(glob.glob(os.path.join(work, 'gen_own_t2_*.npz')))
+  assert shards and os.path.exists(shards[0].replace('gen_', 'feat-l2-15-27_'))
+  tokenizer = smollm2.load_tokenizer()
+  for shard in shards:
+    with np.load(shard) as data:
+      tokens, lengths, mask = data['tokens'], data['lengths'], data['loss_mask']
+    for row, n, reply in zip(tokens, lengths, mask):
+      start = int(np.argmax(reply))
+      prompt = tokenizer.decode(row[:start], stop_at_eos=False)
+      # the first question, ShareGPT's first reply, then the second question, last
+      assert prompt.index('Tell me about') < prompt.index('interesting') < \
+          prompt.rindex('And more?')
+      assert QUESTION not in prompt
+      assert 1 <= reply[:n].sum() <= 12 and reply[start:n].all() and not reply[n:].any()
 
 
 def _assert_features_are_the_float32_models(shard, first_labelled=0):
