@@ -7,7 +7,8 @@ lengths, a loss mask or prompt lengths) beside `label_*.npz` (the target's soft 
 `feat-*.npz` (its features). The source is in the name:
 
   gen_sharegpt_*   pieces of ShareGPT V3 conversations (the loss on the assistant's turns)
-  gen_own_*        SmolLM2's own replies to their first turns
+  gen_own_*        SmolLM2's own replies to their user turns (gen_own_t<N>_*: the N-th turns,
+                   after the earlier ones; the first turns' have no t<N>)
   gen_<other>_*    SmolLM2's replies to built-in, self-written or grounded prompts
 
 A name containing "heldout" (`gen_sharegpt_zheldout.npz`) is held out: never trained on.
@@ -62,7 +63,7 @@ def describe(sources: dict[str, dict[str, int]], own_replies_repeat: int = 1) ->
   described = {
       'sharegpt': lambda n, r: f'{n:,} pieces of ShareGPT V3 conversations ({r:,} reply tokens;'
                                ' `scripts/train_sharegpt_draft.py`)',
-      'own_replies': lambda n, r: f"SmolLM2's own replies to {n:,} of their first turns ({r:,}"
+      'own_replies': lambda n, r: f"SmolLM2's own replies to {n:,} of their user turns ({r:,}"
                                   f' tokens, each seen {own_replies_repeat}x per epoch)',
       'generated': lambda n, r: f"{n:,} prompts with SmolLM2's replies ({r:,} tokens;"
                                 ' `scripts/train_smollm2_draft.py --stage=generate`: built-in'
