@@ -16,9 +16,10 @@ Stages (each resumable; `--stage=all` runs them in order):
      Writes gen_sharegpt_*.npz (tokens, lengths, loss_mask) into --work_dir, the held-out ones
      as gen_sharegpt_zheldout.npz (the last shard: `train_smollm2_eagle.py`'s held-out shard).
   2. replies: SmolLM2's own replies (up to --reply_tokens) to the first user turns of the same
-     training conversations (--reply_turn=N: their N-th turns, after the earlier ones), --reply_batch of similar length at a time, every
-     --sampled_every-th batch at T = 1 and the others greedy, in PyTorch bfloat16
-     (`speclm.data.torch_replies`), until --replies_budget_s: gen_own_*.npz, the same format
+     training conversations (--reply_turn=N: their N-th turns, after the earlier ones),
+     --reply_batch of similar length at a time, every --sampled_every-th batch at T = 1 and
+     the others greedy, in PyTorch bfloat16 (`speclm.data.torch_replies`), until
+     --replies_budget_s: gen_own_*.npz (gen_own_t<N>_*.npz for later turns), the same format
      (the loss on the reply and its end token). --first_reply_batch=N starts at the N-th
      batch of that order, for a run continuing a draft that learned the first N. With
      --reply_features (the default) the same pass keeps what the features stage would compute
@@ -45,7 +46,6 @@ Optionally --own_replies_dir names a further work dir of SmolLM2's own replies (
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import subprocess
@@ -96,7 +96,7 @@ _REPLY_TURN = flags.DEFINE_integer(
     'reply_turn', 1, 'The user turn SmolLM2 answers: 1, the first; N > 1, the N-th of the'
     " conversations that have one, after the earlier turns with ShareGPT's replies (as"
     " MT-bench's second question follows a first answer). Its batches are gen_own_t{N}_*.npz,"
-    ' numbered in their own shuffled order.')
+    ' numbered in their own shuffled order.', lower_bound=1)
 _SAMPLED_EVERY = flags.DEFINE_integer(
     'sampled_every', 4, 'Every n-th batch of own replies is sampled at T = 1, the rest greedy'
     ' (0: all greedy).')
@@ -216,8 +216,6 @@ def conversation_before_turn(messages, turn: int) -> list[dict[str, str]] | None
   """The messages up to and including the `turn`-th user message (1-based), or None where the
   conversation has fewer user turns."""
   users = [i for i, m in enumerate(messages) if m['role'] == 'user']
-  if turn < 1:
-    raise ValueError(f'turn must be at least 1, got {turn}')
   if len(users) < turn:
     return None
   return list(messages[:users[turn - 1] + 1])
@@ -231,10 +229,10 @@ def reply_shard_name(turn: int, number: int) -> str:
 
 def make_replies(work_dir: str) -> None:
   """The replies stage: SmolLM2's own replies to the training conversations' first turns (or
-  --reply_turn's), `gen_own_{batch}.npz` (`reply_shard_name`; the same format as the ShareGPT shards: tokens, lengths, loss_mask on
-  the reply and its end token), --reply_batch prompts of similar length at a time; every
-  --sampled_every-th batch sampled at T = 1, the others greedy. In PyTorch bfloat16
-  (`speclm.data.torch_replies`); resumable, until --replies_budget_s."""
+  --reply_turn's), `reply_shard_name` (the same format as the ShareGPT shards: tokens, lengths,
+  loss_mask on the reply and its end token), --reply_batch prompts of similar length at a
+  time; every --sampled_every-th batch sampled at T = 1, the others greedy. In PyTorch
+  bfloat16 (`speclm.data.torch_replies`); resumable, until --replies_budget_s."""
   import torch  # pylint: disable=import-outside-toplevel
   from speclm.checkpoints import hf_llama  # pylint: disable=import-outside-toplevel
   from speclm.data import torch_replies  # pylint: disable=import-outside-toplevel
@@ -242,9 +240,7 @@ def make_replies(work_dir: str) -> None:
   if budget <= 0:
     return
   tokenizer = smollm2.load_tokenizer()
-  turn = _REPLY_TURN.value
-  if turn < 1:
-    raise app.UsageError(f'--reply_turn must be at least 1, got {turn}.')
+  turn = _REPLY_TURN.value  # at least 1: the flag's lower bound
   prompts = own_reply_prompts(tokenizer, turn)
   size = _REPLY_BATCH.value
   # Batches of similar lengths (little padding), answered in a shuffled order so that a budget
