@@ -7,9 +7,10 @@ draft and temperature, α, τ (tokens per target call) and the speedup per Spec-
 overall, α on MT-bench + QA together (the issue's measure of a draft alone), and the demo's.
 
 Drafts (--drafts):
-  eagle_lookup   the EAGLE-3 draft behind prompt lookup (the shipped file, or --eagle_path)
+  eagle_lookup   the EAGLE-3 draft behind prompt lookup (the shipped file, or --eagle_path;
+                 the demo's default)
   eagle          the same draft alone
-  draft_lookup   the 2-layer token draft behind prompt lookup (the demo's default)
+  draft_lookup   the 2-layer token draft behind prompt lookup (the demo's until 2026-12-06)
   draft          the 2-layer draft alone
 
   python scripts/evaluate_drafts.py \

@@ -19,9 +19,9 @@ says whether the outputs are identical, which greedy decoding guarantees).
 Seams (each a zero-argument callable that gin passes uncalled, e.g. `@target/random_llama`;
 all in `speclm.run.providers`):
   model provider       -> `speclm.protocol.Model`: `random_llama`; `smollm2_model` (the demo's
-                          target) and its drafts `smollm2_draft_model` (the trained draft;
-                          the demo puts it behind prompt lookup, `lookup_min_ngram = 2`) and
-                          `smollm2_eagle_draft_model` (the shipped EAGLE-3 draft, or a file);
+                          target) and its drafts `smollm2_eagle_draft_model` (the shipped
+                          EAGLE-3 draft, or a file; the demo puts it behind prompt lookup,
+                          `lookup_min_ngram = 2`) and `smollm2_draft_model` (2-layer);
                           `checkpoint_llm` (any Hugging Face or
                           GGUF decoder-only checkpoint), `t5_checkpoint_model`,
                           `checkpoint_model`; `ngram_draft`, `prompt_lookup_draft`; or any

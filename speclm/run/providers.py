@@ -377,7 +377,7 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
   It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
   `cpu_kernels`: as for `smollm2_model`. `lookup_min_ngram` n > 0: prompt lookup proposes
   instead wherever the last n+ tokens occurred before (`speclm.models.lookup.lookup_first`);
-  the demo uses n = 2.
+  demo.gin sets n = 2 for both SmolLM2 drafts.
   """
   if path is not None:
     errors.check_path(path, 'SmolLM2 draft')
