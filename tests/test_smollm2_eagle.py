@@ -70,17 +70,24 @@ def test_greedy_decoding_behind_lookup_equals_the_target(target):
 
 def _round_samples(p, q, num_samples, seed, residual=True):
   """The token each of `num_samples` γ = 1 rounds appends (Algorithm 1 with the draft's x ~ q;
-  `residual=False` resamples from p after a rejection, a wrong sampler the test must catch)."""
+  `residual=False` resamples from p after a rejection, a wrong sampler the test must catch).
+  The test's own draws (x ~ q, the wrong resample ~ p) invert the cumulative distribution: one
+  uniform a row, where `jax.random.categorical` makes 1,024 Gumbel draws a row."""
+
+  def draw(key, probs, rows):
+    cumulative = jnp.cumsum(probs)
+    u = jax.random.uniform(key, (rows,)) * cumulative[-1]
+    return jnp.minimum(jnp.searchsorted(cumulative, u, side='right'), probs.shape[-1] - 1)
 
   @jax.jit
   def chunk(key):
     draw_key, uniform_key, round_key = jax.random.split(key, 3)
     rows = 2_000
-    x = jax.random.categorical(draw_key, jnp.log(q), shape=(rows,))
+    x = draw(draw_key, q, rows)
     uniforms = jax.random.uniform(uniform_key, (rows, 1))
     if not residual:
       keep = uniforms[:, 0] < jnp.minimum(1.0, p[x] / q[x])
-      return jnp.where(keep, x, jax.random.categorical(round_key, jnp.log(p), shape=(rows,)))
+      return jnp.where(keep, x, draw(round_key, p, rows))
     result = speculative.speculative_round(
         jnp.broadcast_to(q, (rows, 1, q.shape[-1])), x[:, None],
         jnp.broadcast_to(p, (rows, 2, p.shape[-1])), uniforms, round_key)

@@ -200,8 +200,9 @@ def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
 
 def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
   """scripts/train_smollm2_eagle_gpu.sh (the run for a GPU lease) on this run's data, with the
-  tiny settings given through GEN_FLAGS and TRAIN_FLAGS: every stage finds its output already
-  made (resumable) except training, which writes the draft file to OUT_DIR."""
+  tiny settings given through GEN_FLAGS and TRAIN_FLAGS and a training budget of seconds
+  (TRAIN_S; the script's 180 s would train for 180 s here too): every stage finds its output
+  already made (resumable) except training, which writes the draft file to OUT_DIR."""
   work, _, _ = run
   copy = tmp_path / 'work'
   shutil.copytree(work, copy)
@@ -209,7 +210,7 @@ def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
   out = tmp_path / 'out'
   generation = [f for f in draft_script_run.tiny_flags
                 if not f.startswith(('--label', '--batch_size', '--epochs', '--width'))]
-  env = dict(os.environ, WORK_DIR=str(copy), OUT_DIR=str(out),
+  env = dict(os.environ, WORK_DIR=str(copy), OUT_DIR=str(out), TRAIN_S='3',
              GEN_FLAGS=' '.join(generation + ['--grounded_prompts=0']),
              TRAIN_FLAGS=' '.join(EAGLE[1:]))
   done = subprocess.run(['bash', os.path.join(ROOT, 'scripts', 'train_smollm2_eagle_gpu.sh')],
