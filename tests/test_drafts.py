@@ -13,6 +13,7 @@ import pytest
 
 import speclm
 from speclm import protocol
+from speclm import token_trees
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.models import ngram
@@ -202,11 +203,15 @@ def _drafts():
       'lookup_smoothed': lookup.prompt_lookup(V, confidence=0.9, max_ngram=2),
       'lookup_first': lookup.lookup_first(
           llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3), min_ngram=2),
+      'lookup_mixed': lookup.lookup_first(
+          llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3), min_ngram=2,
+          weight=0.5),
   }
 
 
 @pytest.mark.parametrize('kind,gamma', [('unigram', 4), ('bigram', 4), ('lookup', 4),
-                                        ('lookup_smoothed', 1), ('lookup_first', 3)])
+                                        ('lookup_smoothed', 1), ('lookup_first', 3),
+                                        ('lookup_mixed', 3)])
 def test_greedy_speculative_equals_baseline(kind, gamma):
   target = llama.random_model(vocab_size=V, embed_dim=32, num_layers=2, seed=1)
   draft = _drafts()[kind]
@@ -253,6 +258,37 @@ def test_lookup_first_proposes_the_match_else_the_fallback():
   assert d.cache_lengths(rolled).tolist() == [5, 6]
   assert rolled.history.lengths.tolist() == [5, 6]
   del plain_cache
+
+
+@pytest.mark.parametrize('weight', [0.5, 0.8])
+def test_lookup_weight_mixes_the_proposal_with_the_fallbacks_q(weight):
+  """Where the lookup matches, q = w·δ(its token) + (1 − w)·q_fallback; elsewhere the
+  fallback's logits. For w ≥ 1/2 the argmax is the lookup's token (the same greedy drafts as
+  w = 1), and the tree path mixes alike."""
+  fallback = llama.random_model(vocab_size=V, embed_dim=16, num_layers=1, seed=3)
+  d = lookup.lookup_first(fallback, min_ngram=2, weight=weight).definition
+  overriding = lookup.lookup_first(fallback, min_ngram=2).definition
+  prompts = np.array([[3, 4, 5, 3, 4], [7, 8, 9, 10, 11]], np.int32)
+  lengths = np.array([5, 5], np.int32)
+  logits, _ = d.prefill(fallback.params, prompts, lengths, d.init_cache(2, 16))
+  plain, _ = fallback.definition.prefill(fallback.params, prompts, lengths,
+                                         fallback.definition.init_cache(2, 16))
+  q_fallback = jax.nn.softmax(plain[0].astype(jnp.float32))
+  expected = (1.0 - weight) * q_fallback + weight * jax.nn.one_hot(5, V)  # "3 4" -> 5
+  np.testing.assert_allclose(jax.nn.softmax(logits[0]), expected, atol=1e-6)
+  np.testing.assert_allclose(logits[1], plain[1], atol=1e-6)  # no match: the fallback's
+  one_hot, _ = overriding.prefill(fallback.params, prompts, lengths,
+                                  overriding.init_cache(2, 16))
+  assert np.array_equal(np.argmax(logits, -1), np.argmax(one_hot, -1))
+  tree = token_trees.layout(np.array([[-1, 0], [-1, 0]]))  # a chain: extend_tree = extend
+  _, cache = d.prefill(fallback.params, prompts, lengths, d.init_cache(2, 16))
+  tokens = np.array([[5, 3], [12, 13]], np.int32)
+  chained, _ = d.extend(fallback.params, tokens, cache)
+  as_tree, _ = d.extend_tree(fallback.params, tokens, tree, cache)
+  np.testing.assert_allclose(jax.nn.softmax(as_tree), jax.nn.softmax(chained), atol=1e-5)
+  for bad in (0.0, 1.5):
+    with pytest.raises(ValueError, match='lookup_weight'):
+      lookup.lookup_first(fallback, weight=bad)
 
 
 def test_lookup_first_errors():

@@ -51,7 +51,11 @@ def drafts(target):
           'eagle3': eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0)),
           'lookup_first_eagle3': lookup.lookup_first(
               eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0)),
-              min_ngram=1)}
+              min_ngram=1),
+          # The lookup's proposal mixed with the EAGLE-3 draft's q (weight 0.6): dense q.
+          'lookup_mixed_eagle3': lookup.lookup_first(
+              eagle.random_draft(target, head_size=4, seed=3, feature_layers=(1, 0)),
+              min_ngram=1, weight=0.6)}
 
 
 def _exact(target, sampling, num_tokens=NEW_TOKENS):
@@ -84,6 +88,8 @@ CASES = [
     ('t1_eagle', speclm.SamplingConfig(temperature=1.0), 'eagle', 3),
     ('t0.7_top3_eagle3', speclm.SamplingConfig(temperature=0.7, top_k=3), 'eagle3', 3),
     ('t1_lookup_first_eagle3', speclm.SamplingConfig(temperature=1.0), 'lookup_first_eagle3',
+     3),
+    ('t1_lookup_mixed_eagle3', speclm.SamplingConfig(temperature=1.0), 'lookup_mixed_eagle3',
      3),
 ]
 

@@ -221,17 +221,22 @@ def test_gpu_plan_chains_the_stages(run, draft_script_run, tmp_path):
   assert metadata['feature_layers'] == list(LAYERS) and 'heldout' not in metadata  # α: on CPU
 
 
-def test_negative_lookup_min_ngram_is_a_job_error_before_loading(monkeypatch):
-  """Both SmolLM2 draft providers check `lookup_min_ngram` before they load any model."""
+def test_bad_lookup_settings_are_job_errors_before_loading(monkeypatch):
+  """Both SmolLM2 draft providers check `lookup_min_ngram` and `lookup_weight` before they
+  load any model."""
   def no_loading(*args, **kwargs):
-    raise AssertionError('loaded a model before checking lookup_min_ngram')
+    raise AssertionError('loaded a model before checking the lookup settings')
   monkeypatch.setattr(smollm2, 'load_model', no_loading)
-  with pytest.raises(JobError, match='lookup_min_ngram must be >= 0'):
-    providers.smollm2_draft_model(lookup_min_ngram=-1)
+  bad = {'lookup_min_ngram must be >= 0': dict(lookup_min_ngram=-1),
+         r'lookup_weight must be in \(0, 1\]': dict(lookup_min_ngram=2, lookup_weight=0.0)}
+  for message, settings in bad.items():
+    with pytest.raises(JobError, match=message):
+      providers.smollm2_draft_model(**settings)
   monkeypatch.setattr(providers.os.path, 'exists', lambda path: True)
   monkeypatch.setattr(providers.errors, 'check_path', lambda path, what: None)
-  with pytest.raises(JobError, match='lookup_min_ngram must be >= 0'):
-    providers.smollm2_eagle_draft_model(lookup_min_ngram=-1)
+  for message, settings in bad.items():
+    with pytest.raises(JobError, match=message):
+      providers.smollm2_eagle_draft_model(**settings)
 
 
 def test_a_missing_eagle_draft_is_a_job_error(monkeypatch, tmp_path):

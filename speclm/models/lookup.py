@@ -201,12 +201,23 @@ class LookupFirst(protocol.LanguageModel):
   lookup is right 68% of the time and the trained draft 33%: T = 0 acceptance goes from 0.34
   (the draft alone) to 0.46 (docs/drafts.md). The lookup costs almost nothing, so c stays the
   fallback's. Parameters are the fallback's.
+
+  `lookup_weight` w < 1 mixes instead of overriding where the lookup matches: q = w·δ(its
+  proposal) + (1 − w)·q_fallback. A one-hot proposal's β is p(x) alone, all or nothing at
+  T > 0; the mixture keeps (1 − w) of the fallback's overlap where the lookup is wrong, and
+  gives up at most (1 − w)·(p(x) − q_fallback(x)) where it is right. For w ≥ 1/2 the
+  mixture's argmax is still the lookup's token, so greedy decoding drafts exactly as with
+  w = 1. Sampling settings (temperature, top-k, top-p) then apply to the mixture, as to any
+  draft's logits; speculative sampling is exact for every w.
   """
 
   fallback: protocol.LanguageModel
   lookup: PromptLookup
+  lookup_weight: float = 1.0
 
   def __post_init__(self):
+    if not 0.0 < self.lookup_weight <= 1.0:
+      raise ValueError(f'lookup_weight must be in (0, 1], got {self.lookup_weight}.')
     if self.fallback.prefix_length(7) != 7:
       raise ValueError('LookupFirst needs a decoder-only fallback draft: its history holds the'
                        ' prompt at the positions of the draft\'s cache.')
@@ -225,8 +236,19 @@ class LookupFirst(protocol.LanguageModel):
     return self.fallback.max_context_length
 
   def _combine(self, logits, history: ngram.TokenHistory, positions) -> jax.Array:
-    peaked, found = self.lookup.peaked_logits(history.tokens, positions)
-    return jnp.where(found[..., None], peaked, logits.astype(jnp.float32))
+    proposal, found = self.lookup.propose(history.tokens, positions)
+    return jnp.where(found[..., None], self._over(proposal, logits),
+                     logits.astype(jnp.float32))
+
+  def _over(self, proposal, logits) -> jax.Array:
+    """Logits `[..., V]` where the lookup proposes `proposal` `[...]` over the fallback's
+    `logits`: its peaked logits (w = 1), or log(w·δ(proposal) + (1 − w)·softmax(logits))."""
+    if self.lookup_weight >= 1.0:
+      return self.lookup.peaked(proposal)
+    mixed = math.log(1.0 - self.lookup_weight) + jax.nn.log_softmax(
+        logits.astype(jnp.float32), axis=-1)
+    is_proposal = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
+    return jnp.where(is_proposal, jnp.logaddexp(mixed, math.log(self.lookup_weight)), mixed)
 
   def init_cache(self, batch_size: int, max_length: int) -> LookupFirstCache:
     """The fallback's cache and an empty token history; see
@@ -263,7 +285,9 @@ class LookupFirst(protocol.LanguageModel):
     logits, fallback_cache = self.fallback.extend_tree(params, tokens, tree, cache.fallback)
     proposal, found = _propose_per_node(self.lookup, cache.history, tokens, tree)
     logits = logits.astype(jnp.float32)
-    if self.lookup.confidence >= 1.0:
+    if self.lookup_weight < 1.0:
+      peaked = self._over(proposal, logits)
+    elif self.lookup.confidence >= 1.0:
       # e^-80 of the fallback's probabilities: q ≈ one-hot, the order kept for later ranks.
       below = jax.nn.log_softmax(logits, axis=-1) - 80.0
       is_proposal = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
@@ -346,16 +370,17 @@ class LookupFirstWithFeatures(LookupFirst, protocol.FeatureConditionedDraft):
 
 
 def lookup_first(fallback: protocol.Model, *, min_ngram: int = 2,
-                 max_ngram: int | None = None) -> protocol.Model:
+                 max_ngram: int | None = None, weight: float = 1.0) -> protocol.Model:
   """`fallback` with prompt lookup taking over where an n-gram of `min_ngram`+ tokens matches.
 
-  `max_ngram` (longer matches win) defaults to max(3, min_ngram). A fallback that reads the
-  target's features (`protocol.FeatureConditionedDraft`, e.g. `speclm.models.eagle`) gives a
-  `LookupFirstWithFeatures`.
+  `max_ngram` (longer matches win) defaults to max(3, min_ngram). `weight` < 1 mixes the
+  lookup's proposal with the fallback's q there (`LookupFirst.lookup_weight`). A fallback that
+  reads the target's features (`protocol.FeatureConditionedDraft`, e.g.
+  `speclm.models.eagle`) gives a `LookupFirstWithFeatures`.
   """
   if max_ngram is None:
     max_ngram = max(3, min_ngram)
   lookup = PromptLookup(fallback.vocab_size, max_ngram=max_ngram, min_ngram=min_ngram)
   kind = (LookupFirstWithFeatures
           if isinstance(fallback.definition, protocol.FeatureConditionedDraft) else LookupFirst)
-  return protocol.Model(kind(fallback.definition, lookup), fallback.params)
+  return protocol.Model(kind(fallback.definition, lookup, weight), fallback.params)

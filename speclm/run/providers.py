@@ -371,13 +371,16 @@ def prompt_lookup_draft(vocab_size: int = gin.REQUIRED, max_ngram: int = 3,
 
 @gin.configurable
 def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
-                        cpu_kernels: bool = True, lookup_min_ngram: int = 0) -> protocol.Model:
+                        cpu_kernels: bool = True, lookup_min_ngram: int = 0,
+                        lookup_weight: float = 1.0) -> protocol.Model:
   """The trained draft shipped for SmolLM2-135M (`speclm.presets.smollm2_draft`).
 
   It borrows SmolLM2's token embeddings, so loading it also loads (once) the target.
   `cpu_kernels`: as for `smollm2_model`. `lookup_min_ngram` n > 0: prompt lookup proposes
   instead wherever the last n+ tokens occurred before (`speclm.models.lookup.lookup_first`);
-  demo.gin sets n = 2 for both SmolLM2 drafts.
+  demo.gin sets n = 2 for both SmolLM2 drafts. `lookup_weight` w < 1: there q is
+  w·δ(the lookup's token) + (1 − w)·the draft's q instead (the same drafts at T = 0 for
+  w ≥ 1/2; `speclm.models.lookup.LookupFirst`).
   """
   if path is not None:
     errors.check_path(path, 'SmolLM2 draft')
@@ -385,32 +388,37 @@ def smollm2_draft_model(path: str | None = None, dtype: str = 'float32',
   from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
   return _behind_lookup_first(
       lambda: smollm2_draft.load(smollm2.load_model(dtype), path, dtype, cpu_kernels),
-      lookup_min_ngram)
+      lookup_min_ngram, lookup_weight)
 
 
 def _behind_lookup_first(load_draft: Callable[[], protocol.Model],
-                         lookup_min_ngram: int) -> protocol.Model:
+                         lookup_min_ngram: int, lookup_weight: float) -> protocol.Model:
   """`load_draft()`, behind prompt lookup where the last `lookup_min_ngram`+ tokens occurred
-  before (`speclm.models.lookup.lookup_first`; 0: the draft alone). The setting is checked
-  before the draft is loaded."""
+  before (`speclm.models.lookup.lookup_first`; 0: the draft alone), its proposal mixed in
+  with weight `lookup_weight` (1: it overrides the draft's q; `LookupFirst.lookup_weight`).
+  The settings are checked before the draft is loaded."""
   if lookup_min_ngram < 0:
     raise JobError(f'lookup_min_ngram must be >= 0 (0: off), got {lookup_min_ngram}.')
+  if not 0.0 < lookup_weight <= 1.0:
+    raise JobError(f'lookup_weight must be in (0, 1] (1: the lookup overrides the draft),'
+                   f' got {lookup_weight}.')
   draft = load_draft()
   if not lookup_min_ngram:
     return draft
   from speclm.models import lookup  # pylint: disable=g-import-not-at-top
-  return lookup.lookup_first(draft, min_ngram=lookup_min_ngram)
+  return lookup.lookup_first(draft, min_ngram=lookup_min_ngram, weight=lookup_weight)
 
 
 @gin.configurable
 def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
-                              lookup_min_ngram: int = 0) -> protocol.Model:
+                              lookup_min_ngram: int = 0,
+                              lookup_weight: float = 1.0) -> protocol.Model:
   """An EAGLE-style draft for SmolLM2-135M that reads the target's features
   (`speclm.presets.smollm2_draft.load_eagle`): the EAGLE-3 draft shipped in
   speclm/assets/smollm2_eagle/ (path None), or a file `scripts/train_smollm2_eagle.py` wrote.
 
-  `cpu_kernels` and `lookup_min_ngram` as for `smollm2_draft_model` (prompt lookup first,
-  the feature draft elsewhere: `speclm.models.lookup.LookupFirstWithFeatures`).
+  `cpu_kernels`, `lookup_min_ngram` and `lookup_weight` as for `smollm2_draft_model` (prompt
+  lookup first, the feature draft elsewhere: `speclm.models.lookup.LookupFirstWithFeatures`).
   """
   from speclm.presets import smollm2  # pylint: disable=g-import-not-at-top
   from speclm.presets import smollm2_draft  # pylint: disable=g-import-not-at-top
@@ -423,7 +431,7 @@ def smollm2_eagle_draft_model(path: str | None = None, cpu_kernels: bool = True,
   errors.check_path(path, 'SmolLM2 EAGLE draft')
   return _behind_lookup_first(
       lambda: smollm2_draft.load_eagle(smollm2.load_model(), path, cpu_kernels),
-      lookup_min_ngram)
+      lookup_min_ngram, lookup_weight)
 
 
 @gin.configurable
