@@ -242,13 +242,16 @@ class LookupFirst(protocol.LanguageModel):
 
   def _over(self, proposal, logits) -> jax.Array:
     """Logits `[..., V]` where the lookup proposes `proposal` `[...]` over the fallback's
-    `logits`: its peaked logits (w = 1), or log(w·δ(proposal) + (1 − w)·softmax(logits))."""
+    `logits`: its peaked logits (w = 1), or log(w·δ(proposal) + (1 − w)·softmax(logits)) up
+    to a constant: the fallback's logits, the proposal's raised by w/(1 − w) of their total
+    mass (one log-sum-exp, no normalised copy of the row)."""
     if self.lookup_weight >= 1.0:
       return self.lookup.peaked(proposal)
-    mixed = math.log(1.0 - self.lookup_weight) + jax.nn.log_softmax(
-        logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    boost = (math.log(self.lookup_weight / (1.0 - self.lookup_weight))
+             + jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     is_proposal = jax.nn.one_hot(proposal, self.vocab_size, dtype=jnp.bool_)
-    return jnp.where(is_proposal, jnp.logaddexp(mixed, math.log(self.lookup_weight)), mixed)
+    return jnp.where(is_proposal, jnp.logaddexp(logits, boost), logits)
 
   def init_cache(self, batch_size: int, max_length: int) -> LookupFirstCache:
     """The fallback's cache and an empty token history; see
