@@ -6,8 +6,9 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
   * the baseline (`autoregressive_decode`), the demo's chain (`speculative_decode`, γ = 3) and
     the same chain through the tree loop (`tree_speculative_decode(TreeShape.chain(3))`, the
     tree machinery's own cost);
-  * static trees (`TreeShape`) and EAGLE-2 dynamic trees (`DynamicTree`), all with the
-    shipped draft behind prompt lookup (the demo's draft);
+  * static trees (`TreeShape`) and EAGLE-2 dynamic trees (`DynamicTree`), all with a
+    shipped draft (`--draft`: the EAGLE-3 draft, the demo's, or the 2-layer token-only one)
+    behind prompt lookup, as the demo runs it;
   * per case: tokens per target call and its ratio to the chain's, α, per-rank acceptance,
     the tree theory's tokens per call from those rates (`theory.tree_expected_tokens`),
     milliseconds per token and the speedup over the baseline (median of per-round ratios),
@@ -64,6 +65,9 @@ _LOOKUP_MIN_NGRAM = flags.DEFINE_integer('lookup_min_ngram', 2,
                                          'Prompt lookup before the draft (0: the draft alone).')
 _R_NODES = flags.DEFINE_list('r_nodes', ['4', '8', '16', '32'],
                              'Tree sizes (nodes with the root) whose r is timed.')
+_DRAFT = flags.DEFINE_enum('draft', 'eagle', ['eagle', 'two_layer'],
+                           'The shipped draft: the EAGLE-3 draft (the demo\'s) or the token-only'
+                           ' 2-layer draft.')
 _TARGET_LAYERS = flags.DEFINE_integer(
     'target_layers', 0, 'Smoke runs: cut the target to its first N layers (0: all).')
 _POLICY = flags.DEFINE_bool(
@@ -243,7 +247,8 @@ def render(cases, r_rows, checks, context, seconds, choices) -> str:
                                      'scripts/benchmark_trees.py', seconds)
   lines += [
       f'- prompts: the built-in {_PROMPTS.value} prompts, one per round, {_ROUNDS.value} rounds;'
-      f' batch 1; {_MAX_NEW.value} new tokens; draft: the shipped draft'
+      f' batch 1; {_MAX_NEW.value} new tokens; draft: the shipped'
+      + (' EAGLE-3 draft' if _DRAFT.value == 'eagle' else ' 2-layer token-only draft')
       + (f' behind prompt lookup (min n-gram {_LOOKUP_MIN_NGRAM.value})'
          if _LOOKUP_MIN_NGRAM.value else ' alone') + '; CPU kernels on',
       '- speedup: baseline time / case time, the median of per-round ratios; tokens / call'
@@ -299,7 +304,8 @@ def main(argv):
   if _TARGET_LAYERS.value:
     plain_target = llama.first_layers(plain_target, _TARGET_LAYERS.value)
   target = llama.pack_for_cpu(plain_target)
-  draft = smollm2_draft.load(target, cpu_kernels=True)
+  load = smollm2_draft.load_eagle if _DRAFT.value == 'eagle' else smollm2_draft.load
+  draft = load(target, cpu_kernels=True)
   if _LOOKUP_MIN_NGRAM.value:
     draft = lookup.lookup_first(draft, min_ngram=_LOOKUP_MIN_NGRAM.value)
   prompts = (builtin_prompts.demo_prompts() if _PROMPTS.value == 'demo'

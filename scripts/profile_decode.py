@@ -1,6 +1,6 @@
 r"""Where a decode loop spends its time: a JAX profiler trace, summed per XLA operation.
 
-Decodes the demo prompts with SmolLM2-135M (baseline or speculative with the shipped draft)
+Decodes the demo prompts with SmolLM2-135M (baseline or speculative with a shipped draft)
 once to compile, once under `jax.profiler.trace`, then prints the operations that took the
 most time per target call, e.g. the matrix products ("dot", "ynn_fusion"), copies XLA
 inserted for layouts ("copy_bitcast_fusion"), reductions ("iota_reduce_fusion" is an argmax).
@@ -9,6 +9,7 @@ Map a name to its HLO with `XLA_FLAGS=--xla_dump_to=DIR` (the `*after_optimizati
   pip install -e '.[profile]'
   python scripts/profile_decode.py --mode=speculative --max_new_tokens=64
   python scripts/profile_decode.py --mode=tree --tree_paths='0 1 0.0' --lookup_min_ngram=2
+  python scripts/profile_decode.py --mode=tree --dynamic_tree=8,4,3,2 --lookup_min_ngram=2
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from absl import flags
 
 import speclm
 from speclm import adaptive
+from speclm import token_trees
 from speclm.data import builtin_prompts
 from speclm.models import llama
 from speclm.models import lookup
@@ -41,6 +43,12 @@ _MODE = flags.DEFINE_enum('mode', 'speculative', ['baseline', 'speculative', 'ad
 _TREE_PATHS = flags.DEFINE_string('tree_paths', '0 1 0.0',
                                   'The static tree of --mode=tree, as rank paths (Medusa style:'
                                   ' "0 1 0.0" is two children of the root, one grandchild).')
+_DYNAMIC_TREE = flags.DEFINE_string(
+    'dynamic_tree', None, 'With --mode=tree: an EAGLE-2 DynamicTree "num_nodes,depth,top_k,width"'
+    ' (e.g. "8,4,3,2") instead of --tree_paths.')
+_DRAFT = flags.DEFINE_enum('draft', 'eagle', ['eagle', 'two_layer'],
+                           'The shipped draft profiled: the EAGLE-3 draft (the demo\'s) or the'
+                           ' token-only 2-layer draft.')
 _LOOKUP = flags.DEFINE_integer('lookup_min_ngram', 0, 'Prompt lookup before the draft, as the'
                                ' demo runs it (0: the draft alone).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens generated.')
@@ -89,12 +97,21 @@ def _lengthened(prompt: str, tok, min_tokens: int) -> str:
   return text
 
 
+def _tree() -> speclm.TreeShape | token_trees.DynamicTree:
+  """--mode=tree's tree: --dynamic_tree if given, else --tree_paths."""
+  if _DYNAMIC_TREE.value:
+    return token_trees.DynamicTree(*(int(x) for x in _DYNAMIC_TREE.value.split(',')))
+  paths = [tuple(int(r) for r in path.split('.')) for path in _TREE_PATHS.value.split()]
+  return speclm.TreeShape.from_paths(paths)
+
+
 def main(argv):
   del argv
   target, tok = smollm2.load()
   draft = None
   if _MODE.value != 'baseline':
-    draft = smollm2_draft.load(target, cpu_kernels=_CPU_KERNELS.value)
+    load = smollm2_draft.load_eagle if _DRAFT.value == 'eagle' else smollm2_draft.load
+    draft = load(target, cpu_kernels=_CPU_KERNELS.value)
     if _LOOKUP.value:
       draft = lookup.lookup_first(draft, min_ngram=_LOOKUP.value)
   if _CPU_KERNELS.value:
@@ -123,9 +140,8 @@ def main(argv):
           target, draft, tokens, lengths, gamma=adaptive_rule(),
           baseline_if_never_drafting=_FORCE_GAMMA.value is None, **kwargs)
     elif _MODE.value == 'tree':
-      paths = [tuple(int(r) for r in path.split('.')) for path in _TREE_PATHS.value.split()]
-      result = speclm.tree_speculative_decode(target, draft, tokens, lengths,
-                                              tree=speclm.TreeShape.from_paths(paths), **kwargs)
+      result = speclm.tree_speculative_decode(target, draft, tokens, lengths, tree=_tree(),
+                                              **kwargs)
     else:
       result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=_GAMMA.value,
                                          **kwargs)

@@ -531,6 +531,24 @@ def prefill_feature_draft(draft_def, draft_params, prompts, lengths, features, c
       axis=1)
 
 
+def hand_off_features(draft_features, features, n, good) -> jax.Array:
+  """The EAGLE feature hand-off: the next round's `draft_features` `[B, 2, D]`.
+
+  `features` `[B, K, D]` are the target's features of the verified positions C−1 … C−1+γ
+  (of a chain; of the root and the kept path for a token tree). The new prev and pending
+  tokens sit at C−1+n and C+n, so the features before them are those of positions C−1+n−1
+  and C−1+n. When n = 0 the new prev is the old pending token, whose feature
+  (`draft_features[:, 1]`) is already known. Rows that are not `good` (stopped, or discarded
+  for bad logits) keep theirs.
+  """
+  def feature_at(i):
+    return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
+  before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
+                          draft_features[:, 1])
+  return jnp.where(good[:, None, None], jnp.stack([before_prev, feature_at(n)], axis=1),
+                   draft_features)
+
+
 def draft_extender(draft_def, draft_params):
   """The draft's `extend` as (tokens, features, cache) -> (logits, cache, the draft's predicted
   feature `[B, 1, D]` of the last position, or None for a draft that reads no features)."""

@@ -47,8 +47,8 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
     (`common.reread_draft`). A batch that stopped speculating therefore runs the draft not at
     all. Two bookkeeping helpers finish the round: `common.count_chain_round` adds it to the
     statistics (β sums and counts, the acceptance histogram, call counts) and
-    `_hand_off_features` gives a feature-conditioned draft the target's features for the next
-    round's re-feed.
+    `common.hand_off_features` gives a feature-conditioned draft the target's features for
+    the next round's re-feed.
 
 Shape letters: B batch, P prompt length, T output buffer, G γ, K tokens per extend, V
 vocabulary, D feature width, W recent tokens.
@@ -398,7 +398,7 @@ def _round(loop: _Loop, state: common.LoopState) -> common.LoopState:
       stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
       stats=common.count_chain_round(state.stats, result, active, good, num_drafted,
                                      draft_runs),
-      draft_features=(_hand_off_features(state.draft_features, features, n, good)
+      draft_features=(common.hand_off_features(state.draft_features, features, n, good)
                       if loop.with_features else None))
 
 
@@ -518,23 +518,6 @@ def _verify_and_accept(target_def, target_params, state: common.LoopState, draft
   result, bad, features = jax.lax.switch(
       num_drafted, [lambda k=k: accept(k, logits[:, :k + 1], features) for k in range(gamma + 1)])
   return result, bad, features, cache
-
-
-def _hand_off_features(draft_features, features, n, good) -> jax.Array:
-  """The EAGLE feature hand-off: the next round's `draft_features` `[B, 2, D]`.
-
-  `features` `[B, K, D]` are the target's features of the verified positions C−1 … C−1+γ.
-  The new prev and pending tokens sit at C−1+n and C+n, so the features before them are those
-  of positions C−1+n−1 and C−1+n. When n = 0 the new prev is the old pending token, whose
-  feature (`draft_features[:, 1]`) is already known. Rows that are not `good` (stopped, or
-  discarded for bad logits) keep theirs.
-  """
-  def feature_at(i):
-    return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
-  before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
-                          draft_features[:, 1])
-  return jnp.where(good[:, None, None], jnp.stack([before_prev, feature_at(n)], axis=1),
-                   draft_features)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -305,6 +305,13 @@ class FeatureSource(abc.ABC):
     del num_live
     return self.extend_with_features(params, tokens, cache)
 
+  def extend_tree_with_features(self, params: Params, tokens: jax.Array, tree: Any,
+                                cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
+    """`LanguageModel.extend_tree` that also returns the features `[B, K, D]` of the K nodes
+    (a feature-conditioned draft over a token tree). Optional; this default refuses."""
+    raise NotImplementedError(f'{type(self).__name__} hands out no features over token trees'
+                              ' (no extend_tree_with_features).')
+
 
 class FeatureConditionedDraft(LanguageModel):
   """A draft that reads a `FeatureSource` target's features as well as tokens (EAGLE-style).
@@ -356,6 +363,19 @@ class FeatureConditionedDraft(LanguageModel):
       (logits `[B, K, V]`, the draft's predicted features `[B, K, D']` for the same
       positions, the cache with lengths increased by K).
     """
+
+  def extend_tree_with_features(self, params: Params, tokens: jax.Array, features: jax.Array,
+                                tree: Any, cache: Cache) -> tuple[jax.Array, jax.Array, Cache]:
+    """`extend_with_features` over a token tree of K nodes, laid out as in
+    `LanguageModel.extend_tree`; `features[:, k]` belongs to node k's parent (the position
+    before it). Optional (token-tree decoding); this default refuses.
+
+    Returns:
+      (logits `[B, K, V]`, the predicted features `[B, K, D']` of the nodes, the cache with
+      lengths increased by K).
+    """
+    raise NotImplementedError(f'{type(self).__name__} does not draft token trees (no'
+                              ' extend_tree_with_features); use a chain (speculative_decode).')
 
   def prefill(self, *args, **kwargs):
     """Refused: the draft needs the target's features (`prefill_with_features`)."""

@@ -8,8 +8,14 @@ the target cache holds C−1 positions and s_{C−1} is pending. One round:
      to C−2 and, depth by depth, it reads the tree so far, rooted at [s_{C−2}, s_{C−1}],
      with `extend_tree` (one call per depth, D calls). Each node's children are the draft's
      top choices after it (or draws without replacement from its q̃); a dynamic tree
-     (EAGLE-2) expands the nodes of highest path probability and keeps the best N.
-  2. verify: one target `extend_tree` over [s_{C−1}, candidates…] gives p̃ at every node.
+     (EAGLE-2) expands the nodes of highest path probability and keeps the best N. A draft
+     that reads the target's features (EAGLE, `protocol.FeatureConditionedDraft`) reads
+     [s_{C−2}, s_{C−1}] first with the target's features before them, as a chain's round
+     does, then at each depth the nodes under the root with `extend_tree_with_features`,
+     each with its parent's feature as the draft predicted it (`_feature_reader`).
+  2. verify: one target `extend_tree` over [s_{C−1}, candidates…] gives p̃ at every node
+     (`extend_tree_with_features` for an EAGLE draft, whose next round starts from the
+     target's features of the kept path: `_hand_off_path_features`).
   3. accept (`speculative.tree_round`): recursive rejection over siblings walks down the
      tree; n candidates on one path are kept and one more token t is drawn.
   4. append (`_keep_path`): `keep_tree_path` moves the kept path's keys/values together in
@@ -64,7 +70,9 @@ def tree_speculative_decode(
 
   Args:
     target, draft: `speclm.protocol.Model`s sharing one vocabulary V; both must implement
-      `extend_tree` and `keep_tree_path` (Llama, T5, n-gram and lookup drafts).
+      `extend_tree` and `keep_tree_path` (Llama, T5, n-gram and lookup drafts), or, for a
+      draft that reads the target's features, `extend_tree_with_features` (a Llama target;
+      EAGLE drafts, behind prompt lookup or not).
     prompt_tokens: `[B, P]` int, right-padded prompts; prompt_lengths: `[B]` int, 1 … P.
     tree: a static `token_trees.TreeShape` or an EAGLE-2 `token_trees.DynamicTree`, in place
       of `speclm.speculative_decode`'s γ.
@@ -76,15 +84,18 @@ def tree_speculative_decode(
   prompts, lengths, limits = common.validate_inputs(
       target, prompt_tokens, prompt_lengths, sampling, max_new_tokens, seed, eos_id)
   common.check_pair(target, draft)
+  target = protocol.target_for_feature_draft(target, draft)
+  with_features = isinstance(draft.definition, protocol.FeatureConditionedDraft)
   for role, model in (('target', target), ('draft', draft)):
     definition = model.definition
-    if isinstance(definition, protocol.FeatureConditionedDraft):
-      raise ValueError(f'The {role} ({type(definition).__name__}) reads the target\'s features;'
-                       ' token trees support drafts that read tokens only.')
-    if type(definition).extend_tree is protocol.LanguageModel.extend_tree:
-      raise ValueError(f'The {role} ({type(definition).__name__}) does not implement'
-                       ' extend_tree, so it cannot verify token trees; use speculative_decode'
-                       ' (a chain) or a model that does (Llama, T5, n-gram and lookup drafts).')
+    method, base = ('extend_tree', protocol.LanguageModel)
+    if with_features:
+      method, base = ('extend_tree_with_features', protocol.FeatureSource if role == 'target'
+                      else protocol.FeatureConditionedDraft)
+    if getattr(type(definition), method) is getattr(base, method):
+      raise ValueError(f'The {role} ({type(definition).__name__}) does not implement {method},'
+                       ' so it cannot take part in token trees; use speculative_decode (a'
+                       ' chain) or models that do (Llama, T5, n-gram, lookup and EAGLE drafts).')
     common.check_context(definition, role, lengths, limits)
   width = prompts.shape[1]
   common.check_same_prefix(target, draft, width)
@@ -128,30 +139,71 @@ def _choose_children(key, logits, probs, count: int, rule: str):
   return sampling_lib.top_k_indices(logits, count)
 
 
-def _draft_static_tree(draft_def, draft_params, cache, prev, pending, tree, sampling, rng):
-  """Builds a `TreeShape`'s candidates. Returns (tokens `[B, N]`, parents `[B, N]`, q̃ per node
-  `[B, N, V]` (zero for leaves), proposals `[B, N, V]`, draft cache, bad `[B]`)."""
-  batch = prev.shape[0]
+def _token_reader(draft_def, draft_params, prev, base):
+  """How a draft that reads tokens only reads the tree: `read(carry, tokens, parents, level)`
+  extends its cache, rolled back to `base` (C−2) positions, with s_{C−2} (`prev` `[B]`) and
+  the m nodes so far (`tokens`, `parents` `[B, m]`, the root first) in one `extend_tree`
+  call, and returns (its logits `[B, M, V]` after the nodes `level` (M indices), carry).
+  carry = (draft cache, `[B]` rows with bad draft logits, None)."""
+  def read(carry, tokens, parents, level):
+    cache, bad, _ = carry
+    draft_tokens = jnp.concatenate([prev[:, None], tokens], axis=1)
+    logits, cache = draft_def.extend_tree(draft_params, draft_tokens,
+                                          token_trees.layout(_draft_parents(parents)),
+                                          draft_def.rollback(cache, base))
+    return logits[:, level + 1], (cache, bad | common.bad_rows(logits), None)
+  return read
+
+
+def _feature_reader(draft_def, draft_params, prev, pending, draft_features, base, pool: int):
+  """`_token_reader` for a `protocol.FeatureConditionedDraft` (EAGLE): each node is read with
+  the feature before it, its parent's as the draft predicted it.
+
+  The root's read (m = 1) re-feeds [s_{C−2}, s_{C−1}] after `base` with the target's
+  features before them (`draft_features` `[B, 2, D]`), as a chain's round starts
+  (`speclm.decoding`), and gives the root's predicted feature. Every later read rolls back
+  to `base` + 2 and extends the m − 1 nodes under the root in one `extend_tree_with_features`
+  call, each with its parent's predicted feature: the nodes' features depend only on their
+  path, so re-reading the earlier ones gives the features they had. carry's last entry
+  holds each node's predicted feature `[B, pool, D']` (None before the root's read).
+  """
+  def read(carry, tokens, parents, level):
+    cache, bad, predicted = carry
+    if tokens.shape[1] == 1:
+      newest = jnp.stack([prev, pending], axis=1)
+      logits, features, cache = draft_def.extend_with_features(
+          draft_params, newest, draft_features, draft_def.rollback(cache, base))
+      predicted = jnp.zeros((prev.shape[0], pool, features.shape[-1]), features.dtype)
+      predicted = predicted.at[:, 0].set(features[:, 1])
+      return logits[:, 1:], (cache, bad | common.bad_rows(logits), predicted)
+    below = parents[:, 1:]  # the nodes under the root; the root's children are this tree's roots
+    before = jnp.take_along_axis(predicted, below[:, :, None], axis=1)
+    logits, features, cache = draft_def.extend_tree_with_features(
+        draft_params, tokens[:, 1:], before, token_trees.layout(below - 1),
+        draft_def.rollback(cache, base + 2))
+    predicted = predicted.at[:, 1:tokens.shape[1]].set(features.astype(predicted.dtype))
+    return logits[:, level - 1], (cache, bad | common.bad_rows(logits), predicted)
+  return read
+
+
+def _draft_static_tree(read, carry, pending, tree, sampling, rng, vocab: int):
+  """Builds a `TreeShape`'s candidates, depth by depth, with `read` (`_token_reader`,
+  `_feature_reader`) from `carry`. Returns (tokens `[B, N]`, parents `[B, N]`, q̃ per node
+  `[B, N, V]` (zero for leaves), proposals `[B, N, V]`, the reader's carry, None)."""
+  batch = pending.shape[0]
   parents = np.asarray(tree.parents, np.int32)
   depths = np.asarray(tree.depths)
   ranks = np.asarray(tree.ranks)
   num = len(parents)
   rule = 'top_k' if sampling.is_greedy else tree.candidates
   tokens = jnp.zeros((batch, num), jnp.int32).at[:, 0].set(pending)
-  node_probs = jnp.zeros((batch, num, draft_def.vocab_size), jnp.float32)
-  bad = jnp.zeros((batch,), bool)
-  draft_parents = _draft_parents(jnp.broadcast_to(jnp.asarray(parents), (batch, num)))
-  base = draft_def.cache_lengths(cache)
+  node_probs = jnp.zeros((batch, num, vocab), jnp.float32)
+  parents_b = jnp.broadcast_to(jnp.asarray(parents), (batch, num))
   keys = jax.random.split(rng, tree.depth)
   for depth in range(tree.depth):
-    fed = int(np.sum(depths <= depth)) + 1  # s_{C−2} and the target nodes up to this depth
-    layout = token_trees.layout(draft_parents[:, :fed])
-    draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :fed - 1]], axis=1)
-    logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
-                                          draft_def.rollback(cache, base))
-    bad |= common.bad_rows(logits)
-    level = np.flatnonzero(depths == depth)  # target nodes at this depth
-    level_logits = logits[:, level + 1]
+    fed = int(np.sum(depths <= depth))  # the nodes up to this depth (breadth-first order)
+    level = np.flatnonzero(depths == depth)  # the nodes at this depth
+    level_logits, carry = read(carry, tokens[:, :fed], parents_b[:, :fed], level)
     level_probs = sampling_lib.standardize(level_logits, sampling)
     node_probs = node_probs.at[:, level].set(level_probs)
     children = np.flatnonzero(depths == depth + 1)
@@ -159,36 +211,28 @@ def _draft_static_tree(draft_def, draft_params, cache, prev, pending, tree, samp
     chosen = _choose_children(keys[depth], level_logits, level_probs, width, rule)
     parent_slot = np.searchsorted(level, parents[children])  # each child's parent in `level`
     tokens = tokens.at[:, children].set(chosen[:, parent_slot, ranks[children]])
-  parents_b = jnp.broadcast_to(jnp.asarray(parents), (batch, num))
   if rule == 'sample':
     proposals = speculative.without_replacement_proposals(node_probs, tokens, parents_b)
   else:
-    proposals = jax.nn.one_hot(tokens, draft_def.vocab_size, dtype=jnp.float32)
-  return tokens, parents_b, node_probs, proposals, cache, bad, None
+    proposals = jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)
+  return tokens, parents_b, node_probs, proposals, carry, None
 
 
-def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sampling):
-  """Builds an EAGLE-2 `DynamicTree` (see its docstring). Returns what `_draft_static_tree`
-  does, plus `[B, N]` each kept node's index in the draft's pool (for compaction)."""
-  batch = prev.shape[0]
+def _draft_dynamic_tree(read, carry, pending, tree, sampling, vocab: int):
+  """Builds an EAGLE-2 `DynamicTree` (see its docstring) with `read` from `carry`. Returns
+  what `_draft_static_tree` does, with `[B, N]` each kept node's index in the draft's pool
+  (for compaction) last."""
+  batch = pending.shape[0]
   k, w = tree.top_k, tree.width
   pool = 1 + tree.pool_size
-  vocab = draft_def.vocab_size
   tokens = jnp.zeros((batch, pool), jnp.int32).at[:, 0].set(pending)
   parents = jnp.full((batch, pool), -1, jnp.int32)
   scores = jnp.zeros((batch, pool), jnp.float32)  # log path probability under the draft
   node_probs = jnp.zeros((batch, pool, vocab), jnp.float32)
-  bad = jnp.zeros((batch,), bool)
-  base = draft_def.cache_lengths(cache)
   level = np.arange(1)  # pool nodes of the current depth
   end = 1
   for _ in range(tree.depth):
-    layout = token_trees.layout(_draft_parents(parents[:, :end]))
-    draft_tokens = jnp.concatenate([prev[:, None], tokens[:, :end]], axis=1)
-    logits, cache = draft_def.extend_tree(draft_params, draft_tokens, layout,
-                                          draft_def.rollback(cache, base))
-    bad |= common.bad_rows(logits)
-    level_logits = logits[:, level + 1]  # [B, M, V]
+    level_logits, carry = read(carry, tokens[:, :end], parents[:, :end], level)  # [B, M, V]
     node_probs = node_probs.at[:, level].set(sampling_lib.standardize(level_logits, sampling))
     # Expand the `width` nodes of this depth with the highest path probability (all of them
     # at the root), each with the draft's `top_k` choices.
@@ -217,7 +261,7 @@ def _draft_dynamic_tree(draft_def, draft_params, cache, prev, pending, tree, sam
   tokens = jnp.take_along_axis(tokens, kept, axis=1)
   node_probs = jnp.take_along_axis(node_probs, kept[:, :, None], axis=1)
   proposals = jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)
-  return tokens, new_parents, node_probs, proposals, cache, bad, kept
+  return tokens, new_parents, node_probs, proposals, carry, kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,6 +319,11 @@ class _TreeLoop:
   tree: token_trees.TreeShape | token_trees.DynamicTree
   sampling: sampling_lib.SamplingConfig
 
+  @property
+  def with_features(self) -> bool:
+    """Whether the draft reads the target's features (EAGLE)."""
+    return isinstance(self.draft_def, protocol.FeatureConditionedDraft)
+
 
 def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, lengths, limits,
                rng, eos_id, pad_id, *, tree, sampling, buffer_length, target_capacity,
@@ -284,11 +333,19 @@ def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, leng
   max_children = _max_children(tree)
   draft_cache = draft_def.init_cache(batch, draft_capacity)
   target_cache = target_def.init_cache(batch, target_capacity)
-  _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
-  logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
+  draft_features = None
+  if isinstance(draft_def, protocol.FeatureConditionedDraft):
+    logits, features, target_cache = target_def.prefill_with_features(
+        target_params, prompts, lengths, target_cache)
+    draft_cache, draft_features = common.prefill_feature_draft(
+        draft_def, draft_params, prompts, lengths, features, draft_cache)
+  else:
+    _, draft_cache = draft_def.prefill(draft_params, prompts, lengths, draft_cache)
+    logits, target_cache = target_def.prefill(target_params, prompts, lengths, target_cache)
   state = common.start(
       target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, tree.depth,
-      logits=logits, target_cache=target_cache, draft_cache=draft_cache)
+      logits=logits, target_cache=target_cache, draft_cache=draft_cache,
+      draft_features=draft_features)
   stats = state.stats
   state = state.replace(stats=stats.replace(
       draft_calls=stats.draft_calls + 1,
@@ -312,17 +369,29 @@ def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
       state, loop.target_def, loop.draft_def, num_nodes, token_trees.draft_lookahead(tree))
   rng, draft_key, uniform_key, next_key = keys
   # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
-  draft_cache = loop.draft_def.rollback(state.draft_cache, target_lengths - 1)
+  base = target_lengths - 1
+  pool = (tree.num_nodes if isinstance(tree, token_trees.TreeShape) else tree.pool_size) + 1
+  read = (_feature_reader(loop.draft_def, loop.draft_params, state.prev_token,
+                          state.pending_token, state.draft_features, base, pool)
+          if loop.with_features else
+          _token_reader(loop.draft_def, loop.draft_params, state.prev_token, base))
+  carry = (loop.draft_def.rollback(state.draft_cache, base), jnp.zeros((batch,), bool), None)
+  vocab = loop.draft_def.vocab_size
   if isinstance(tree, token_trees.TreeShape):
-    built = _draft_static_tree(loop.draft_def, loop.draft_params, draft_cache, state.prev_token,
-                               state.pending_token, tree, sampling, draft_key)
+    built = _draft_static_tree(read, carry, state.pending_token, tree, sampling, draft_key,
+                               vocab)
   else:
-    built = _draft_dynamic_tree(loop.draft_def, loop.draft_params, draft_cache,
-                                state.prev_token, state.pending_token, tree, sampling)
-  tokens, parents, node_probs, proposals, draft_cache, draft_bad, pool_index = built
-  # 2. One target call over the whole tree: p̃ at every node.
-  logits, target_cache = loop.target_def.extend_tree(
-      loop.target_params, tokens, token_trees.layout(parents), state.target_cache)
+    built = _draft_dynamic_tree(read, carry, state.pending_token, tree, sampling, vocab)
+  tokens, parents, node_probs, proposals, (draft_cache, draft_bad, _), pool_index = built
+  # 2. One target call over the whole tree: p̃ at every node (and, for an EAGLE draft, the
+  #    target's features there).
+  features = None
+  if loop.with_features:
+    logits, features, target_cache = loop.target_def.extend_tree_with_features(
+        loop.target_params, tokens, token_trees.layout(parents), state.target_cache)
+  else:
+    logits, target_cache = loop.target_def.extend_tree(
+        loop.target_params, tokens, token_trees.layout(parents), state.target_cache)
   target_probs = sampling_lib.standardize(logits, sampling)
   # 3. Walk down the tree by recursive rejection; n kept, one more token t drawn.
   uniforms = jax.random.uniform(uniform_key, (batch, num_nodes))
@@ -343,7 +412,20 @@ def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
       pending_token=jnp.where(good, result.next_token, state.pending_token),
       stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
       stats=_count_tree_round(state.stats, result, parents, node_probs, target_probs, active,
-                              good, depth, _max_children(tree)))
+                              good, depth, _max_children(tree)),
+      draft_features=None if features is None else _hand_off_path_features(
+          state.draft_features, features, result, good))
+
+
+def _hand_off_path_features(draft_features, features, result: speculative.TreeRoundResult,
+                            good) -> jax.Array:
+  """The next round's `draft_features` `[B, 2, D]` for an EAGLE draft: the target's features
+  `[B, N, D]` of the root and the kept path, handed off as a chain's
+  (`common.hand_off_features`)."""
+  reached = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path], axis=1)
+  return common.hand_off_features(
+      draft_features, jnp.take_along_axis(features, reached[:, :, None], axis=1),
+      result.num_accepted, good)
 
 
 def _keep_path(loop: _TreeLoop, target_cache, draft_cache, target_lengths,

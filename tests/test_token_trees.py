@@ -8,8 +8,8 @@ What this proves (issue: token trees with exact verification):
     Llama and T5, lookup first), and a chain-shaped tree equals `speculative_decode`.
   * Sampled tree decoding fits the target's enumerated sequence distribution (chi-square) at
     T = 1, T = 0.7 with top-k and top-p, with 2–3 children per node, sampled and deterministic
-    candidates, static and dynamic trees; a deliberately wrong sibling residual is rejected
-    by the same test.
+    candidates, static and dynamic trees, token drafts and EAGLE-3 drafts (behind lookup or
+    not); a deliberately wrong sibling residual is rejected by the same test.
 """
 
 import jax
@@ -22,6 +22,7 @@ from speclm import speculative
 from speclm import testing
 from speclm import token_trees
 from speclm import tree_decoding
+from speclm.models import eagle
 from speclm.models import llama
 from speclm.models import lookup
 from speclm.models import ngram
@@ -154,10 +155,14 @@ def test_tree_nodes_see_their_own_path_and_compaction_restores_a_sequence(models
 
 def test_models_without_trees_are_refused():
   target = llama.random_model(vocab_size=16, embed_dim=32, num_layers=1)
-  from speclm.models import eagle  # pylint: disable=import-outside-toplevel
-  with pytest.raises(ValueError, match='features'):
-    tree_decoding.tree_speculative_decode(
-        target, eagle.random_draft(target), PROMPTS, LENGTHS, tree=TreeShape.chain(2))
+
+  class NoTrees(llama.Llama):
+    extend_tree = speclm.protocol.LanguageModel.extend_tree
+
+  draft = speclm.Model(NoTrees(target.definition.config), target.params)
+  with pytest.raises(ValueError, match='does not implement extend_tree'):
+    tree_decoding.tree_speculative_decode(target, draft, PROMPTS, LENGTHS,
+                                          tree=TreeShape.chain(2))
   with pytest.raises(ValueError, match='TreeShape'):
     tree_decoding.tree_speculative_decode(target, target, PROMPTS, LENGTHS, tree=3)
 
@@ -259,8 +264,11 @@ def small():
                               num_heads=2, num_kv_heads=1)
   unrelated = llama.random_model(vocab_size=VOCAB, embed_dim=8, num_layers=1, seed=5,
                                  num_heads=2, num_kv_heads=1)
+  eagle3 = eagle.random_draft(target, num_layers=1, head_size=5, seed=3, feature_layers=(0, 1),
+                              input_norms=True)  # q̃ = 0 on the token outside its head
   return {'target': target, 'unrelated': unrelated, 'related': _perturbed(target, 0.5, 9),
-          'lookup_first': lookup.lookup_first(unrelated, min_ngram=1)}
+          'lookup_first': lookup.lookup_first(unrelated, min_ngram=1), 'eagle3': eagle3,
+          'lookup_eagle3': lookup.lookup_first(eagle3, min_ngram=1)}
 
 
 def _exact(target, sampling):
@@ -293,6 +301,9 @@ CASES = [
     ('top_p0.8_top_k_candidates', speclm.SamplingConfig(top_p=0.8), 'unrelated',
      TreeShape.from_branching((3, 2))),
     ('t1_dynamic_lookup_first', T1, 'lookup_first',
+     token_trees.DynamicTree(num_nodes=6, depth=3, top_k=2, width=2)),
+    ('t1_sampled_lookup_eagle3', T1, 'lookup_eagle3', SAMPLED_TREE),
+    ('t0.7_dynamic_eagle3', speclm.SamplingConfig(temperature=0.7), 'eagle3',
      token_trees.DynamicTree(num_nodes=6, depth=3, top_k=2, width=2)),
 ]
 

@@ -4,7 +4,8 @@ candidate tree on the first rows and picks the fastest as measured.
 What this proves: the choice is the argmin of the table's own measured seconds per token (the
 timings are real: one per repeat, positive), the chain is always a candidate and is chosen when
 the trees are made slower by construction, the chosen decode's greedy output equals the
-baseline, and bad settings are refused with a message naming them.
+baseline (token drafts and an EAGLE-3 draft), and bad settings are refused with a message
+naming them.
 """
 
 import time
@@ -15,7 +16,9 @@ import pytest
 import speclm
 from speclm import token_trees
 from speclm import tree_decoding
+from speclm.models import eagle
 from speclm.models import llama
+from speclm.models import lookup
 from speclm.run.calibration import tree_policy
 
 PROMPTS = np.array([[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 0, 0, 0, 0], [5, 3, 5, 3, 5, 3, 0]],
@@ -127,3 +130,20 @@ def test_bad_settings_are_refused():
   assert list(policy.candidates) == ['mine', 'paths3']  # the chain given: not added again
   assert list(tree_policy.TreePolicy(tree_policy.default_candidates()).candidates) == [
       'chain', 'paths3', 'paths4', 'dynamic8']
+
+
+def test_eagle_drafts_compete_with_trees(pair):
+  """A draft that reads the target's features (EAGLE-3 behind prompt lookup, as the demo's)
+  is timed with the chain and a dynamic tree like any draft; every candidate decodes as the
+  baseline does."""
+  target, _ = pair
+  draft = lookup.lookup_first(
+      eagle.random_draft(target, num_layers=1, head_size=24, seed=1, feature_layers=(0, 1)),
+      min_ngram=1)
+  policy = tree_policy.TreePolicy(
+      {'chain': None, 'dynamic4': token_trees.DynamicTree(4, depth=3, top_k=2, width=2)},
+      calibration_rows=2, calibration_tokens=10, repeats=1)
+  choice = tree_policy.choose(policy, target, draft, PROMPTS, LENGTHS, gamma=3)
+  assert [row['name'] for row in choice.rows] == ['baseline', 'chain', 'dynamic4']
+  assert all(row['identical_to_baseline'] for row in choice.rows)
+  assert choice.row('dynamic4')['tokens_per_call'] > 1.0  # the repeated prompt is looked up

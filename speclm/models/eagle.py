@@ -156,6 +156,19 @@ class EagleDraft(protocol.FeatureConditionedDraft):
     logits = subset_vocab.to_full_vocab(logits, params['head_ids'], self.full_vocab_size)
     return logits, predicted, cache
 
+  def extend_tree_with_features(self, params, tokens, features, tree, cache):
+    """Tree attention masks over the cache (as `speclm.models.llama.Llama.extend_tree`); see
+    `speclm.protocol.FeatureConditionedDraft.extend_tree_with_features`."""
+    positions = cache.lengths[:, None] + tree.depths
+    visible = layers.tree_visibility(cache.lengths, cache.capacity, tree.ancestors)
+    predicted, logits, cache = self.apply(params, tokens, features, cache, positions, visible)
+    logits = subset_vocab.to_full_vocab(logits, params['head_ids'], self.full_vocab_size)
+    return logits, predicted, cache
+
+  def keep_tree_path(self, cache, start, path):
+    """The Llama cache's; see `speclm.protocol.LanguageModel.keep_tree_path`."""
+    return self._layers.keep_tree_path(cache, start, path)
+
   def prefill_with_features(self, params, inputs, input_lengths, features, cache):
     """See `speclm.protocol.FeatureConditionedDraft.prefill_with_features`."""
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))

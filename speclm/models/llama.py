@@ -447,14 +447,14 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
                          f' {self.config.num_layers - 1}.')
     return dataclasses.replace(self, feature_layers=layers)
 
-  def _features(self, params, tokens, cache, fresh: bool = False, live=None):
-    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache); `fresh`, `live`: see
-    `LlamaModule.__call__`."""
+  def _features(self, params, tokens, cache, fresh: bool = False, live=None, tree=None):
+    """(final hidden `[B, K, D]`, features `[B, K, feature_dim]`, cache); `fresh`, `live`,
+    `tree`: see `LlamaModule.__call__`."""
     if self.feature_layers is None:
-      hidden, cache = self.module.apply({'params': params}, tokens, cache, fresh=fresh,
+      hidden, cache = self.module.apply({'params': params}, tokens, cache, tree, fresh=fresh,
                                         live=live)
       return hidden, hidden, cache
-    hidden, cache, taps = self.module.apply({'params': params}, tokens, cache, None,
+    hidden, cache, taps = self.module.apply({'params': params}, tokens, cache, tree,
                                             self.feature_layers, fresh, live)
     return hidden, taps, cache
 
@@ -486,9 +486,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     return logits, features, cache.replace(lengths=input_lengths.astype(jnp.int32))
 
   def extend_with_features(self, params, tokens, cache):
-    """`extend` that also returns the features `[B, K, feature_dim]`; see
-    `speclm.protocol.FeatureSource.extend_with_features`.
-    """
+    """`extend` with the features; see `speclm.protocol.FeatureSource.extend_with_features`."""
     return self.extend_live_with_features(params, tokens, cache, None)
 
   def extend_live(self, params, tokens, cache, num_live):
@@ -515,8 +513,14 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
 
   def extend_tree(self, params, tokens, tree, cache):
     """Tree attention masks over the cache; see `speclm.protocol.LanguageModel.extend_tree`."""
-    hidden, cache = self.module.apply({'params': params}, tokens, cache, tree)
-    return self.module.apply({'params': params}, hidden, method=LlamaModule.logits), cache
+    logits, _, cache = self.extend_tree_with_features(params, tokens, tree, cache)
+    return logits, cache
+
+  def extend_tree_with_features(self, params, tokens, tree, cache):
+    """See `speclm.protocol.FeatureSource.extend_tree_with_features`."""
+    hidden, features, cache = self._features(params, tokens, cache, tree=tree)
+    logits = self.module.apply({'params': params}, hidden, method=LlamaModule.logits)
+    return logits, features, cache
 
   def keep_tree_path(self, cache, start, path):
     """Moves the path's keys and values; see `speclm.protocol.LanguageModel.keep_tree_path`."""

@@ -286,6 +286,11 @@ class LookupFirst(protocol.LanguageModel):
     one-hot proposal, and the fallback's logits, far below it, keep their order: a tree's
     first candidate is the lookup's, the next ones the fallback draft's best."""
     logits, fallback_cache = self.fallback.extend_tree(params, tokens, tree, cache.fallback)
+    return (self._over_tree(logits, cache, tokens, tree),
+            LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
+
+  def _over_tree(self, logits, cache: LookupFirstCache, tokens, tree) -> jax.Array:
+    """The fallback's logits `[B, K, V]` over tree nodes, the lookup's where it matches."""
     proposal, found = _propose_per_node(self.lookup, cache.history, tokens, tree)
     logits = logits.astype(jnp.float32)
     if self.lookup_weight < 1.0:
@@ -297,8 +302,7 @@ class LookupFirst(protocol.LanguageModel):
       peaked = jnp.where(is_proposal, 0.0, below)
     else:
       peaked = self.lookup.peaked(proposal)
-    return (jnp.where(found[..., None], peaked, logits),
-            LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
+    return jnp.where(found[..., None], peaked, logits)
 
   def keep_tree_path(self, cache, start, path):
     """Both caches keep the path; see `speclm.protocol.LanguageModel.keep_tree_path`."""
@@ -370,6 +374,16 @@ class LookupFirstWithFeatures(LookupFirst, protocol.FeatureConditionedDraft):
     history, positions = _history_after_extend(cache.history, tokens)
     return (self._combine(logits, history, positions), predicted,
             LookupFirstCache(fallback_cache, history))
+
+  def extend_tree_with_features(self, params, tokens, features, tree, cache):
+    """The fallback's logits over a token tree (the lookup's where it matches, as in
+    `LookupFirst.extend_tree`) and its predicted features; see
+    `speclm.protocol.FeatureConditionedDraft.extend_tree_with_features`.
+    """
+    logits, predicted, fallback_cache = self.fallback.extend_tree_with_features(
+        params, tokens, features, tree, cache.fallback)
+    return (self._over_tree(logits, cache, tokens, tree), predicted,
+            LookupFirstCache(fallback_cache, ngram.append_tokens(cache.history, tokens)))
 
 
 def lookup_first(fallback: protocol.Model, *, min_ngram: int = 2,
