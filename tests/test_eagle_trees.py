@@ -86,8 +86,11 @@ def _path(parents, node):
   return path[::-1] if node > 0 else []
 
 
-@pytest.mark.parametrize('draft_name', ['eagle', 'eagle3', 'lookup_eagle3'])
-@pytest.mark.parametrize('tree', [BRANCHY, DYNAMIC], ids=['static', 'dynamic'])
+@pytest.mark.parametrize('draft_name,tree', [('eagle', DYNAMIC), ('eagle3', BRANCHY),
+                                             ('lookup_eagle3', BRANCHY),
+                                             ('lookup_eagle3', DYNAMIC)],
+                         ids=['eagle-dynamic', 'eagle3-static', 'lookup_eagle3-static',
+                              'lookup_eagle3-dynamic'])
 def test_each_node_reads_its_own_path(target, draft_name, tree):
   draft = _drafts(target)[draft_name]
   cache, base, prev, pending, draft_features = _start(target, draft)
@@ -133,9 +136,11 @@ def test_the_targets_tree_features_are_those_of_each_path(target):
     np.testing.assert_allclose(logits[:, node], chain_logits[:, -1], atol=2e-5)
 
 
-@pytest.mark.parametrize('draft_name', ['eagle', 'lookup_eagle3'])
-@pytest.mark.parametrize('tree', [TreeShape.chain(3), BRANCHY, DYNAMIC],
-                         ids=['chain3', 'static', 'dynamic'])
+@pytest.mark.parametrize('draft_name,tree', [('eagle', TreeShape.chain(3)), ('eagle', DYNAMIC),
+                                             ('lookup_eagle3', TreeShape.chain(3)),
+                                             ('lookup_eagle3', BRANCHY)],
+                         ids=['eagle-chain3', 'eagle-dynamic', 'lookup_eagle3-chain3',
+                              'lookup_eagle3-static'])
 def test_greedy_eagle_trees_equal_the_baseline(target, draft_name, tree):
   draft = _drafts(target)[draft_name]
   limits = [20, 13, 17]

@@ -3,7 +3,8 @@ candidate tree on the first rows and picks the fastest as measured.
 
 What this proves: the choice is the argmin of the table's own measured seconds per token (the
 timings are real: one per repeat, positive), the chain is always a candidate and is chosen when
-the trees are made slower by construction, the chosen decode's greedy output equals the
+the trees are made slower by construction or are faster by less than the margin
+(`min_tree_gain`), the chosen decode's greedy output equals the
 baseline (token drafts and an EAGLE-3 draft), and bad settings are refused with a message
 naming them.
 """
@@ -50,7 +51,9 @@ def test_the_choice_is_the_fastest_measured_and_decodes_like_the_baseline(pair):
     assert row['seconds_per_token'] > 0 and row['warmup_s'] > 0
     assert row['identical_to_baseline'] is True  # greedy: every candidate equals the baseline
   candidates = choice.rows[1:]
-  fastest = min(candidates, key=lambda row: row['seconds_per_token'])
+  # The fewest seconds per token, a tree's counted 5% slower (`min_tree_gain`).
+  fastest = min(candidates, key=lambda row: row['seconds_per_token']
+                * (1.0 if row['kind'] == 'chain' else 1.0 / 0.95))
   assert choice.name == fastest['name'] and [r['chosen'] for r in candidates].count(True) == 1
   assert choice.tree is (None if choice.name == 'chain' else PATHS3)
   assert choice.calibration['rows'] == 2 and choice.calibration['seconds'] > 0
@@ -87,6 +90,26 @@ def test_slower_trees_lose_to_the_chain(pair, monkeypatch):
   assert min(choice.row('paths3')['seconds']) >= 0.05
 
 
+def test_a_tree_must_beat_the_chain_by_the_margin(pair, monkeypatch):
+  """The tree's timed decodes recorded as 3% faster than the chain's: within the default 5%
+  margin the chain is chosen; with `min_tree_gain=0` the tree is."""
+  real = tree_policy._time_decodes
+
+  def timed(runs, repeats, progress):
+    warmup_s, results, seconds = real(runs, repeats, progress)
+    seconds['paths3'] = [0.97 * s for s in seconds['chain']]
+    return warmup_s, results, seconds
+
+  monkeypatch.setattr(tree_policy, '_time_decodes', timed)
+  choice = _choose(pair)
+  assert choice.name == 'chain' and choice.calibration['min_tree_gain'] == 0.05
+  assert choice.row('paths3')['seconds_per_token'] < choice.row('chain')['seconds_per_token']
+  target, draft = pair
+  eager = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2, calibration_tokens=10,
+                                 repeats=2, min_tree_gain=0.0)
+  assert tree_policy.choose(eager, target, draft, PROMPTS, LENGTHS, gamma=3).name == 'paths3'
+
+
 def test_the_baseline_is_chosen_only_when_allowed_and_faster(pair, monkeypatch):
   """Every speculative decode (chain and tree) made 50 ms slower: with `allow_baseline` the
   job decodes without speculation; without it the policy still picks among the candidates."""
@@ -116,6 +139,9 @@ def test_the_baseline_is_chosen_only_when_allowed_and_faster(pair, monkeypatch):
 def test_bad_settings_are_refused():
   with pytest.raises(ValueError, match='allow_baseline must be True or False'):
     tree_policy.TreePolicy({'paths3': PATHS3}, allow_baseline='yes')
+  for gain in (1.0, -0.1, 'x', True):
+    with pytest.raises(ValueError, match='min_tree_gain must be a fraction'):
+      tree_policy.TreePolicy({'paths3': PATHS3}, min_tree_gain=gain)
   with pytest.raises(ValueError, match='non-empty mapping'):
     tree_policy.TreePolicy({})
   with pytest.raises(ValueError, match='calibration_rows must be an integer >= 1'):

@@ -116,8 +116,8 @@ def dynamic_tree(num_nodes: int = 16, depth: int = 5, top_k: int = 4,
 
 @gin.configurable
 def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: int = 2,
-                calibration_tokens: int = 32, repeats: int = 2,
-                allow_baseline: bool = False) -> tree_policy_lib.TreePolicy:
+                calibration_tokens: int = 32, repeats: int = 2, allow_baseline: bool = False,
+                min_tree_gain: float = 0.05) -> tree_policy_lib.TreePolicy:
   """`run_job.tree = @tree_policy()`: at start-up the job decodes its first
   `calibration_rows` rows with the baseline, the chain (its GAMMA) and every candidate tree,
   `calibration_tokens` tokens each (one untimed warm-up, then `repeats` timed, interleaved
@@ -130,6 +130,7 @@ def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: i
   `allow_baseline = True`: the baseline competes too, and when no candidate measured faster
   than it the job decodes without speculation (metrics.json: `speculation` 'off'), so a
   large batch on a CPU, where verification costs nearly γ + 1 steps, is not made slower.
+  `min_tree_gain`: a tree must measure this fraction faster than the chain to be chosen.
   """
   if candidates is None:
     candidates = tree_policy_lib.default_candidates()
@@ -151,7 +152,8 @@ def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: i
   try:
     return tree_policy_lib.TreePolicy(candidates, calibration_rows=calibration_rows,
                                       calibration_tokens=calibration_tokens, repeats=repeats,
-                                      allow_baseline=allow_baseline)
+                                      allow_baseline=allow_baseline,
+                                      min_tree_gain=min_tree_gain)
   except ValueError as e:
     raise JobError(f'tree_policy: {e}') from None
 
