@@ -154,16 +154,23 @@ def test_logits_and_tokens_match_hugging_face(smol, batch):
       assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
     # Longer inputs (prefill) take XLA's product of the same weights: the plain model's logits.
     np.testing.assert_array_equal(forward_packed(packed.params, x), forward(model.params, x))
-  # The matrices kept as the file stores them (Q4_1, the Q8_0 table): the same bound where
-  # the block kernel multiplies (up to quantized.MAX_KERNEL_ROWS rows); above, the widened
-  # matrices go through XLA's GEMM, with the plain model's bound.
+  # The matrices kept as the file stores them (Q4_1, the Q8_0 table). Where the block kernel
+  # multiplies (up to quantized.MAX_KERNEL_ROWS rows), the bound, 1e-4, holds against
+  # the float32-dequantized model as the float kernel computes it (float64 totals). Against
+  # HF it is the plain model's bound: on an AMD EPYC (AVX512-VNNI, no AMX) the integer path
+  # differed from HF by up to 1.1e-4 at positions where the float kernel differed by 7.5e-5,
+  # its own distance to the float kernel staying under 4.6e-5.
   stored = smollm2.load_model(quantized=True)
   forward_stored = jax.jit(stored.definition.forward)
   for x, reference in zip(inputs, theirs):
     for row in range(x.shape[0]):
+      short = x[row:row + 1, :cpu_matmul.MAX_KERNEL_ROWS]
+      difference = np.abs(np.asarray(forward_stored(stored.params, short))
+                          - np.asarray(forward_packed(packed.params, short)))
+      assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
       difference = np.abs(np.asarray(forward_stored(stored.params, x[row:row + 1]))
                           - reference[row:row + 1])
-      assert difference.max() < 1e-4 and difference.mean() < 2e-5, difference.max()
+      assert difference.max() < 2e-4 and difference.mean() < 3e-5, difference.max()
     difference = np.abs(np.asarray(forward_stored(stored.params, x)) - reference)
     assert difference.max() < 2e-4 and difference.mean() < 3e-5, difference.max()
 
