@@ -186,6 +186,12 @@ def _feature_reader(draft_def, draft_params, prev, pending, draft_features, base
   return read
 
 
+def drafted_nodes(tree) -> int:
+  """Nodes the draft builds per round, the root included: a static tree's, or a dynamic
+  tree's whole pool (before the best `num_nodes` are kept)."""
+  return 1 + (tree.num_nodes if isinstance(tree, token_trees.TreeShape) else tree.pool_size)
+
+
 def _draft_static_tree(read, carry, pending, tree, sampling, rng, vocab: int):
   """Builds a `TreeShape`'s candidates, depth by depth, with `read` (`_token_reader`,
   `_feature_reader`) from `carry`. Returns (tokens `[B, N]`, parents `[B, N]`, q̃ per node
@@ -224,7 +230,7 @@ def _draft_dynamic_tree(read, carry, pending, tree, sampling, vocab: int):
   (for compaction) last."""
   batch = pending.shape[0]
   k, w = tree.top_k, tree.width
-  pool = 1 + tree.pool_size
+  pool = drafted_nodes(tree)
   tokens = jnp.zeros((batch, pool), jnp.int32).at[:, 0].set(pending)
   parents = jnp.full((batch, pool), -1, jnp.int32)
   scores = jnp.zeros((batch, pool), jnp.float32)  # log path probability under the draft
@@ -333,8 +339,11 @@ def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, leng
   max_children = _max_children(tree)
   draft_cache = draft_def.init_cache(batch, draft_capacity)
   target_cache = target_def.init_cache(batch, target_capacity)
+  loop = _TreeLoop(target_def=target_def, draft_def=draft_def, target_params=target_params,
+                   draft_params=draft_params, limits=limits, eos_id=eos_id, tree=tree,
+                   sampling=sampling)
   draft_features = None
-  if isinstance(draft_def, protocol.FeatureConditionedDraft):
+  if loop.with_features:
     logits, features, target_cache = target_def.prefill_with_features(
         target_params, prompts, lengths, target_cache)
     draft_cache, draft_features = common.prefill_feature_draft(
@@ -351,9 +360,6 @@ def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, leng
       draft_calls=stats.draft_calls + 1,
       rank_offered=jnp.zeros((max_children,), jnp.int32),
       rank_accepted=jnp.zeros((max_children,), jnp.int32)))
-  loop = _TreeLoop(target_def=target_def, draft_def=draft_def, target_params=target_params,
-                   draft_params=draft_params, limits=limits, eos_id=eos_id, tree=tree,
-                   sampling=sampling)
   state = jax.lax.while_loop(lambda s: jnp.any(s.active), functools.partial(_tree_round, loop),
                              state)
   return common.finish(state, pad_id)
@@ -370,9 +376,8 @@ def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
   rng, draft_key, uniform_key, next_key = keys
   # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
   base = target_lengths - 1
-  pool = (tree.num_nodes if isinstance(tree, token_trees.TreeShape) else tree.pool_size) + 1
   read = (_feature_reader(loop.draft_def, loop.draft_params, state.prev_token,
-                          state.pending_token, state.draft_features, base, pool)
+                          state.pending_token, state.draft_features, base, drafted_nodes(tree))
           if loop.with_features else
           _token_reader(loop.draft_def, loop.draft_params, state.prev_token, base))
   carry = (loop.draft_def.rollback(state.draft_cache, base), jnp.zeros((batch,), bool), None)
