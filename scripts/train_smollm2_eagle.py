@@ -23,7 +23,9 @@ Stages (each resumable, on CPU or a GPU):
      (feat[-l2-15-27]_*.npz, bfloat16 stored as uint16), and from the same forward pass its
      soft labels (label_*.npz, the format of train_smollm2_draft.py --stage=label).
   3. train: AdamW, the decoder layer starting from target layer --init_layer, the others
-     random, or every trained parameter from --init_from's draft file (continued training).
+     random, or every trained parameter from --init_from's draft file (continued training;
+     with a larger --num_layers than the file's, the new layers come after its own and start
+     as identities, `eagle.deepen`, so training starts from the file's draft).
   4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
      own β statistics; writes the safetensors file and its MODEL_CARD.md.
 
@@ -94,8 +96,10 @@ _INIT_LAYER = flags.DEFINE_integer('init_layer', 29, 'Target layer the draft lay
 _INIT_FROM = flags.DEFINE_string(
     'init_from', None, 'Start from a draft file this script wrote (e.g. the shipped'
     ' speclm/assets/smollm2_eagle/eagle.safetensors) instead of target layer --init_layer: the'
-    ' same --num_layers, --feature_layers, --input_norms and head subset. Its steps, positions'
-    ' and seconds are recorded as earlier ones; a saved train state (--resume) still wins.')
+    ' same --feature_layers, --input_norms and head subset, and --num_layers at least its own'
+    ' (a deeper draft appends layers from --init_layer that start as identities:'
+    ' `eagle.deepen`). Its steps, positions and seconds are recorded as earlier ones; a saved'
+    ' train state (--resume) still wins.')
 _EPOCHS = flags.DEFINE_float('epochs', 8.0, 'Passes over the data.')
 _BATCH = flags.DEFINE_integer('batch_size', 16, 'Sequences per training step.')
 _LR = flags.DEFINE_float('learning_rate', 1e-3, 'Peak AdamW learning rate.')
@@ -402,6 +406,12 @@ def _continued(path: str, fresh: dict, head_ids, layers) -> tuple[dict, dict]:
   """The trained parameters of the draft file at `path`, checked against a new draft's
   (`fresh`: the same names and shapes), and its run's counts as `earlier_*` entries."""
   trained, saved_ids, saved = smollm2_draft.read(path)
+  added = {name: fresh[name] for name in fresh
+           if name.startswith('layers_') and name not in trained}
+  if added and any(name.startswith('layers_') for name in trained):
+    # a deeper draft than the file's: its layers, then new ones that start as identities
+    trained = eagle.deepen(trained, added)
+    logging.info('deepening %s: %s start as identities', path, ', '.join(sorted(added)))
   saved_layers = saved.get('feature_layers')
   if not np.array_equal(saved_ids, head_ids):
     raise app.UsageError(f'--init_from={path} has a head of another token subset.')
@@ -417,6 +427,9 @@ def _continued(path: str, fresh: dict, head_ids, layers) -> tuple[dict, dict]:
                          f' (check --num_layers and --input_norms): {differ}')
   earlier = {f'earlier_{name}': saved.get(name, 0) + saved.get(f'earlier_{name}', 0)
              for name in ('steps', 'positions_seen', 'train_seconds')}
+  deepened = saved.get('deepened_from_layers') or (saved['num_layers'] if added else 0)
+  if deepened:
+    earlier['deepened_from_layers'] = deepened
   logging.info('starting from %s (%d steps, %d positions before)', path,
                earlier['earlier_steps'], earlier['earlier_positions_seen'])
   return jax.tree_util.tree_map(jnp.asarray, trained), earlier
@@ -675,6 +688,9 @@ def _positions(m: dict) -> str:
   if m.get('earlier_steps'):
     seen += (f" (continuing a draft trained {m['earlier_steps']:,} steps on"
              f" {m.get('earlier_positions_seen', 0):,} positions: --init_from)")
+  if m.get('deepened_from_layers'):
+    seen += (f"; the first {m['deepened_from_layers']} layer(s) from that draft, the rest added"
+             ' as identities (`eagle.deepen`)')
   return seen
 
 

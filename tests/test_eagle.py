@@ -365,3 +365,32 @@ def test_training_time_test_unrolls_as_the_draft_drafts(target, feature_layers, 
                                               own[:, -1:], cache)
       np.testing.assert_allclose(unrolled[step, 0, t], logits[0, -1], rtol=2e-5, atol=2e-5,
                                  err_msg=f'step {step} position {t}')
+
+
+def test_a_deepened_draft_starts_where_the_shallower_one_was(target):
+  """`eagle.deepen` appends layers that start as identities: the 2-layer draft's training-time
+  logits equal the 1-layer draft's bit for bit, and training moves them (the new layer's
+  gradient is not zero)."""
+  tokens = jnp.asarray(PROMPTS[1:])
+  source = target.definition.with_feature_layers((0, 1))
+  _, features, _ = source.prefill_with_features(target.params, tokens, jnp.array([7]),
+                                                source.init_cache(1, 7))
+  shallow = eagle.random_draft(target, num_layers=1, seed=2, feature_layers=(0, 1))
+  wide = eagle.random_draft(target, num_layers=2, seed=3, feature_layers=(0, 1))
+  trained = eagle.deepen(shallow.definition.trained(shallow.params),
+                         {'layers_1': wide.definition.trained(wide.params)['layers_1']})
+  params = wide.definition.with_target_embedding(
+      {k: v for k, v in trained.items() if k != 'head'}, llama.embedding_table(target),
+      shallow.params['head_ids'])
+  deep = eagle.training_time_test(wide.definition, params, tokens, features, 2)
+  np.testing.assert_array_equal(
+      deep, eagle.training_time_test(shallow.definition, shallow.params, tokens, features, 2))
+
+  def loss(layer):
+    return jnp.sum(eagle.training_time_test(wide.definition, {**params, 'layers_1': layer},
+                                            tokens, features, 2) ** 2)
+  grads = jax.grad(loss)(params['layers_1'])
+  assert float(jnp.abs(grads['mlp']['down']['kernel']).max()) > 0
+  assert float(jnp.abs(grads['attention']['out']['kernel']).max()) > 0
+  with pytest.raises(ValueError, match='layers_0 is already'):
+    eagle.deepen(trained, {'layers_0': trained['layers_0']})

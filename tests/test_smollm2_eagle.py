@@ -50,7 +50,9 @@ def test_file_matches_model_card(shipped):
   width = metadata['embed_dim']
   assert trained['reduce']['kernel'].shape == (3 * width, width)
   assert trained['fuse']['kernel'].shape == (2 * width, width)
-  assert sorted(k for k in trained if k.startswith('layers_')) == ['layers_0']
+  assert f"{metadata['num_layers']} Llama layer(s)" in card
+  assert sorted(k for k in trained if k.startswith('layers_')) == [
+      f'layers_{i}' for i in range(metadata['num_layers'])]
   assert trained['layers_0']['attention']['query']['kernel'].shape[0] == width
 
 

@@ -156,8 +156,9 @@ def test_torch_backend_trains_a_draft_the_flax_code_loads_and_resumes(run, targe
 def test_init_from_continues_a_draft_file_and_counts_its_run(run, tmp_path):
   """--init_from starts training from a draft file (the module's run wrote one): the new file
   records that run's steps and positions as earlier ones (the model card's training line
-  names them); a file of
-  another shape is refused before training, naming the parameters that differ."""
+  names them); with a larger --num_layers the file's layer comes first and the new one starts
+  as an identity (`eagle.deepen`); a file of another shape is refused before training, naming
+  the parameters that differ."""
   work = tmp_path / 'work'
   work.mkdir()
   for path in glob.glob(os.path.join(run[0], '*.npz')):
@@ -175,8 +176,15 @@ def test_init_from_continues_a_draft_file_and_counts_its_run(run, tmp_path):
   assert after['earlier_positions_seen'] == before['positions_seen'] > 0
   assert after['steps'] >= 1
 
-  with pytest.raises(AssertionError, match=r'other parameters than this run.*layers_1'):
-    run_script(*flags, '--num_layers=2', f'--output_dir={tmp_path / "out2"}')
+  deeper = tmp_path / 'deeper'
+  log = run_script(*flags, '--num_layers=2', f'--output_dir={deeper}', '--noresume')
+  assert f'deepening {first}: layers_1 start as identities' in log
+  trained, _, grown = smollm2_draft.read(os.path.join(deeper, smollm2_draft.EAGLE_FILE))
+  assert grown['num_layers'] == 2 and grown['deepened_from_layers'] == 1
+  assert float(np.abs(trained['layers_1']['mlp']['down']['kernel']).max()) > 0  # trained
+
+  with pytest.raises(AssertionError, match=r'other parameters than this run.*feature_norm'):
+    run_script(*flags, '--input_norms', '--noresume', f'--output_dir={tmp_path / "out2"}')
 
 
 def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
