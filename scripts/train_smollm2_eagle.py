@@ -408,8 +408,7 @@ def _continued(path: str, fresh: dict, head_ids, layers) -> tuple[dict, dict]:
   trained, saved_ids, saved = smollm2_draft.read(path)
   added = {name: fresh[name] for name in fresh
            if name.startswith('layers_') and name not in trained}
-  if added and any(name.startswith('layers_') for name in trained):
-    # a deeper draft than the file's: its layers, then new ones that start as identities
+  if added:  # a deeper draft than the file's: its layers, then new ones as identities
     trained = eagle.deepen(trained, added)
     logging.info('deepening %s: %s start as identities', path, ', '.join(sorted(added)))
   saved_layers = saved.get('feature_layers')
