@@ -109,6 +109,9 @@ _COST_TOKENS = flags.DEFINE_integer(
     ' context); fewer for a smoke run.')
 _COST_REPEATS = flags.DEFINE_integer(
     'cost_repeats', 3, 'Timed repeats when c and r(γ) are timed for the adaptive cases.')
+_POLICY_ROWS = flags.DEFINE_integer(
+    'policy_rows', 4, "Spec-Bench: first turns the tree policy calibrates on, spread over their"
+    " lengths (the job's `tree_policy.calibration_rows`); each length compiles its decodes.")
 _DRAFT_STOPPING = flags.DEFINE_bool('draft_stopping', False,
                                     'Adaptive cases: the draft stops on its own confidence.')
 _WORKLOAD = flags.DEFINE_enum('workload', 'demo', ['demo', 'spec_bench'],
@@ -374,16 +377,18 @@ def hf_cases(target, draft, tok, prompts) -> list[Case]:
 # ----------------------------------------------------------------------------------------------
 # Spec-Bench: every method side by side (scripts/spec_bench_methods.py runs and reports them)
 
-def _policy_choice(target, draft, vocabulary, first_turn, temperature: float):
-  """The job's `@tree_policy()` (its default candidates) calibrated as a batch-1 job does:
-  on the first decoded turn, at most 32 new tokens, --cost_repeats timed repeats."""
+def _policy_choice(target, draft, vocabulary, turns, temperature: float):
+  """The job's `@tree_policy()` (its default candidates) calibrated as a batch-1 job does: on
+  --policy_rows first turns spread over their lengths (`tree_policy.spread_prompts`), at most
+  32 new tokens, --cost_repeats timed repeats."""
   policy = calibration.TreePolicy(
-      calibration.default_candidates(), calibration_rows=1, repeats=_COST_REPEATS.value,
+      calibration.default_candidates(), calibration_rows=_POLICY_ROWS.value,
+      repeats=_COST_REPEATS.value,
       calibration_tokens=min(calibration.TreePolicy.calibration_tokens, _MAX_NEW.value))
-  ids = vocabulary.encode_conversation([{'role': 'user', 'content': first_turn.input}])
-  tokens = np.array([ids], np.int32)
-  choice = calibration.choose(policy, target, draft, tokens, np.array([len(ids)], np.int32),
-                              gamma=_GAMMA.value,
+  firsts = [vocabulary.encode_conversation([{'role': 'user', 'content': turn.input}])
+            for turn in turns if turn.turn == 1]
+  batches = calibration.tree_policy.spread_prompts(firsts, policy.calibration_rows)
+  choice = calibration.choose(policy, target, draft, batches, gamma=_GAMMA.value,
                               sampling=speclm.SamplingConfig(temperature=temperature), seed=0)
   print(f'tree policy at T={temperature:g}: {choice.summary()}', flush=True)
   return choice
@@ -406,7 +411,7 @@ def spec_bench_method_list(models: dict, vocabulary, turns, temperature: float, 
   if rule is not None:
     methods.append(method('adaptive γ', functools.partial(
         speclm.speculative_decode, target, draft, gamma=rule)))
-  choice = _policy_choice(target, draft, vocabulary, turns[0], temperature)
+  choice = _policy_choice(target, draft, vocabulary, turns, temperature)
   methods.append(method(f'tree policy: {choice.name}', chain if choice.tree is None else
                                 functools.partial(tree_decoding.tree_speculative_decode,
                                                   target, draft, tree=choice.tree)))

@@ -15,7 +15,7 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
     and whether the greedy output equals the baseline's;
   * the policy (`--policy`): the job's `@tree_policy()` (`speclm.run.calibration.tree_policy`,
     its default candidates: the chain, paths3, paths4, dynamic 8) calibrated as a batch-1 job
-    calibrates on its first batch: on the first decoded prompt, 32 new tokens (at most
+    calibrates: on 4 prompts spread over their lengths, 32 new tokens (at most
     `--max_new_tokens`), one untimed and 3 timed interleaved decodes per candidate;
     its measured table (the tree theory's predictions beside it, with c and r timed here) and
     the chosen tree (or chain) decoded as one more case;
@@ -23,8 +23,8 @@ turn), batch 1, `--max_new_tokens` tokens per prompt, temperature 0 and 1:
     `extend` call, at the prompts' mean context.
 
 Prompts: the built-in demo prompts (`--prompts=demo`) or the held-out ones (`heldout`), both
-shipped with speclm; the fixed trees were chosen on neither (the policy sees the first of
-them, as a batch-1 job's policy sees its first batch). It writes docs/tree_benchmarks.md:
+shipped with speclm; the fixed trees were chosen on neither (the policy sees 4 of them, as a
+batch-1 job's policy sees 4 of its prompts). It writes docs/tree_benchmarks.md:
 
   python scripts/benchmark_trees.py                    # the full run (about an hour here)
   python scripts/benchmark_trees.py --rounds=1 --max_new_tokens=8 --target_layers=1 \
@@ -170,15 +170,17 @@ def theory_costs(target, draft, context) -> tuple[float, dict[str, float]]:
 
 def run_policy(target, draft, tok, prompts, context) -> dict:
   """The job's policy per temperature, calibrated as a batch-1 job calibrates (the cases
-decode one prompt at a time): on the first decoded prompt, with 3 timed repeats instead of 2
-against the noise of one row. {temperature: PolicyChoice}."""
-  policy = dataclasses.replace(POLICY, calibration_rows=1, repeats=3,
+decode one prompt at a time): on prompts spread over their lengths
+(`tree_policy.spread_prompts`), with 3 timed repeats instead of 2. {temperature:
+PolicyChoice}."""
+  policy = dataclasses.replace(POLICY, repeats=3,
                                calibration_tokens=min(POLICY.calibration_tokens, _MAX_NEW.value))
-  tokens, lengths = benchmarking.chat_prompt_batch(tok, prompts[:policy.calibration_rows])
+  batches = calibration.tree_policy.spread_prompts([tok.encode_chat(p) for p in prompts],
+                                                   policy.calibration_rows)
   c, r = theory_costs(target, draft, context)
   choices = {}
   for temperature in [float(t) for t in _TEMPERATURES.value]:
-    choice = calibration.choose(policy, target, draft, tokens, lengths, gamma=_GAMMA.value,
+    choice = calibration.choose(policy, target, draft, batches, gamma=_GAMMA.value,
                                 sampling=speclm.SamplingConfig(temperature=temperature),
                                 seed=0, c=c, r=r, progress=print)
     print(f'policy at T={temperature:g}: {choice.summary()}', flush=True)
@@ -192,9 +194,10 @@ def policy_lines(choices, cases) -> list[str]:
     return []
   first = next(iter(choices.values())).calibration
   lines = ['## The policy: `@tree_policy()` chooses by measured speed', '',
-           f'The job\'s default policy, calibrated as a batch-1 job does on its first batch: the'
-           f' first {first["rows"]} decoded prompt(s), {first["tokens"]} new tokens, one'
-           f' untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
+           f'The job\'s default policy, calibrated as a batch-1 job does: on'
+           f' {first["rows"]} prompt(s) spread over their lengths (of'
+           f' {", ".join(map(str, first["prompt_lengths"]))} tokens), {first["tokens"]} new'
+           f' tokens, one untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
            ' (`speclm.run.calibration.choose`). It picks the fewest measured ms / token'
            ' (the chain is always a candidate). The theory columns use the measured rates with'
            ' c and r from isolated calls timed here, for comparison only.', '']

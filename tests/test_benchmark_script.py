@@ -169,6 +169,7 @@ def test_spec_bench_smoke_run_puts_every_method_side_by_side(tmp_path):
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--workload=spec_bench',
        f'--spec_bench_file={questions}', '--per_category=1', '--max_new_tokens=6',
+       '--policy_rows=1',  # the policy's calibration at one prompt width: one compile each
        '--target_layers=1', '--max_gamma=2', '--cost_tokens=4', '--cost_repeats=1',
        f'--output={report}'],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,

@@ -112,9 +112,9 @@ def test_compare_job_with_a_token_tree(tmp_path):
 
 
 def test_compare_job_with_a_tree_policy(tmp_path):
-  """`run_job.tree = @tree_policy()`: the job times the chain and the trees on its first batch
-  (at the job's own batch shape and length, so the programs compile once), records the table
-  and decodes with the choice; a resume reuses the choice; bad settings are JobErrors."""
+  """`run_job.tree = @tree_policy()`: the job times the chain and the trees on whole batches of
+  its own shape (here the second of two: the middle of its list), records the table and
+  decodes with the choice; a resume reuses the choice; bad settings are JobErrors."""
   policy = ('run_job.tree = @tree_policy()',
             "tree_policy.candidates = {'paths3': [[0], [1], [0, 0]]}",
             'tree_policy.calibration_rows = 4', 'tree_policy.calibration_tokens = 12',
@@ -126,7 +126,8 @@ def test_compare_job_with_a_tree_policy(tmp_path):
   timed = entry['candidates'][1:]
   assert entry['chosen'] == min(timed, key=lambda row: row['seconds_per_token'])['name']
   assert all(row['identical_to_baseline'] and row['seconds'][0] > 0 for row in timed)
-  assert entry['calibration']['rows'] == 4
+  assert entry['calibration']['rows'] == 4 and entry['calibration']['batches'] == 1
+  assert len(entry['calibration']['prompt_lengths']) == 4
   records = outputs.read_predictions(str(tmp_path / 'predictions.jsonl'))
   assert all(r['identical'] for r in records) and metrics['identical_output_rate'] == 1.0
   if entry['chosen'] == 'paths3':

@@ -1,14 +1,16 @@
 """The tree policy (speclm.run.calibration.tree_policy): it times the baseline, the chain and each
-candidate tree on the first rows and picks the fastest as measured.
+candidate tree on a few batches of prompts and picks the fastest as measured.
 
 What this proves: the choice is the argmin of the table's own measured seconds per token (the
-timings are real: one per repeat, positive), the chain is always a candidate and is chosen when
-the trees are made slower by construction or are faster by less than the margin
-(`min_tree_gain`), the chosen decode's greedy output equals the
-baseline (token drafts and an EAGLE-3 draft), and bad settings are refused with a message
-naming them.
+timings are real: one per repeat, positive; a decode of several batches is timed whole over
+their pooled tokens); the batches a job calibrates on are whole and spread over its lengths;
+the chain is always a candidate and is chosen when the trees are made slower by construction
+or are faster by less than the margin (`min_tree_gain`); the chosen decode's greedy output
+equals the baseline (token drafts and an EAGLE-3 draft); and bad settings are refused with a
+message naming them.
 """
 
+import statistics
 import time
 
 import numpy as np
@@ -26,6 +28,8 @@ PROMPTS = np.array([[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 0, 0, 0, 0], [5, 3, 5, 3, 5
                    np.int32)
 LENGTHS = np.array([7, 3, 6], np.int32)
 PATHS3 = token_trees.TreeShape.from_paths([(0,), (1,), (0, 0)])
+# Two batches of one row each, decoded in turn by every timed call.
+TWO_ROWS = [(PROMPTS[:1], LENGTHS[:1]), (PROMPTS[1:2], LENGTHS[1:2])]
 
 
 @pytest.fixture(scope='module')
@@ -39,7 +43,7 @@ def _choose(pair, **kwargs):
   target, draft = pair
   policy = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2,
                                   calibration_tokens=10, repeats=2)
-  return tree_policy.choose(policy, target, draft, PROMPTS, LENGTHS, gamma=3, **kwargs)
+  return tree_policy.choose(policy, target, draft, TWO_ROWS, gamma=3, **kwargs)
 
 
 def test_the_choice_is_the_fastest_measured_and_decodes_like_the_baseline(pair):
@@ -57,6 +61,10 @@ def test_the_choice_is_the_fastest_measured_and_decodes_like_the_baseline(pair):
   assert choice.name == fastest['name'] and [r['chosen'] for r in candidates].count(True) == 1
   assert choice.tree is (None if choice.name == 'chain' else PATHS3)
   assert choice.calibration['rows'] == 2 and choice.calibration['seconds'] > 0
+  assert choice.calibration['batches'] == 2 and choice.calibration['prompt_lengths'] == [7, 3]
+  for row in choice.rows:  # a call's time over both batches' tokens (2 rows × 10, no end id)
+    assert row['seconds_per_token'] == pytest.approx(
+        statistics.median(s / 20 for s in row['seconds']))
   chain, tree = choice.row('chain'), choice.row('paths3')
   assert chain['nodes'] == 3 and 0 <= chain['alpha'] <= 1 and chain['rank_acceptance'] is None
   assert len(tree['rank_acceptance']) == 2 and tree['tokens_per_call'] >= 1
@@ -107,7 +115,7 @@ def test_a_tree_must_beat_the_chain_by_the_margin(pair, monkeypatch):
   target, draft = pair
   eager = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2, calibration_tokens=10,
                                  repeats=2, min_tree_gain=0.0)
-  assert tree_policy.choose(eager, target, draft, PROMPTS, LENGTHS, gamma=3).name == 'paths3'
+  assert tree_policy.choose(eager, target, draft, TWO_ROWS, gamma=3).name == 'paths3'
 
 
 def test_the_baseline_is_chosen_only_when_allowed_and_faster(pair, monkeypatch):
@@ -126,7 +134,7 @@ def test_the_baseline_is_chosen_only_when_allowed_and_faster(pair, monkeypatch):
   target, draft = pair
   allowed = tree_policy.TreePolicy({'paths3': PATHS3}, calibration_rows=2,
                                    calibration_tokens=10, repeats=2, allow_baseline=True)
-  choice = tree_policy.choose(allowed, target, draft, PROMPTS, LENGTHS, gamma=3)
+  choice = tree_policy.choose(allowed, target, draft, TWO_ROWS, gamma=3)
   assert choice.name == 'baseline' and choice.tree is None and not choice.speculate
   assert choice.row('baseline')['chosen'] and choice.to_dict()['chosen'] == 'baseline'
   assert all(row['speedup'] < 1 for row in choice.rows[1:])
@@ -152,6 +160,11 @@ def test_bad_settings_are_refused():
     tree_policy.TreePolicy({'three': 3})
   with pytest.raises(ValueError, match='the name of the chain'):
     tree_policy.TreePolicy({'chain': PATHS3})
+  policy = tree_policy.TreePolicy({'paths3': PATHS3})
+  with pytest.raises(ValueError, match='at least one batch'):
+    tree_policy.choose(policy, None, None, [], gamma=3)
+  with pytest.raises(ValueError, match=r'prompts \[B, P\]'):
+    tree_policy.choose(policy, None, None, [(PROMPTS[0], LENGTHS[:1])], gamma=3)
   policy = tree_policy.TreePolicy({'mine': None, 'paths3': PATHS3})
   assert list(policy.candidates) == ['mine', 'paths3']  # the chain given: not added again
   assert list(tree_policy.TreePolicy(tree_policy.default_candidates()).candidates) == [
@@ -169,7 +182,32 @@ def test_eagle_drafts_compete_with_trees(pair):
   policy = tree_policy.TreePolicy(
       {'chain': None, 'dynamic4': token_trees.DynamicTree(4, depth=3, top_k=2, width=2)},
       calibration_rows=2, calibration_tokens=10, repeats=1)
-  choice = tree_policy.choose(policy, target, draft, PROMPTS, LENGTHS, gamma=3)
+  choice = tree_policy.choose(policy, target, draft, TWO_ROWS, gamma=3)
   assert [row['name'] for row in choice.rows] == ['baseline', 'chain', 'dynamic4']
   assert all(row['identical_to_baseline'] for row in choice.rows)
   assert choice.row('dynamic4')['tokens_per_call'] > 1.0  # the repeated prompt is looked up
+
+
+def test_a_job_calibrates_on_whole_batches_spread_over_its_lengths():
+  """`calibration_batches`: enough whole batches for the rows asked, at the middles of equal
+  parts of the width-sorted list (so a batch-1 job is timed on short, middling and long
+  prompts, not on its shortest ones), more when short batches fall short, all when too few."""
+  widths = [16, 16, 32, 32, 64, 64, 128, 256]
+  ones = [1] * 8
+  assert tree_policy.calibration_batches(widths, ones, 4) == [1, 3, 5, 7]
+  assert tree_policy.calibration_batches(widths, ones, 2) == [2, 6]
+  assert tree_policy.calibration_batches(widths, ones, 1) == [4]
+  assert tree_policy.calibration_batches(widths, ones, 20) == list(range(8))
+  # Batches of 4 rows: 5 rows take two whole batches; a short batch asks for one more.
+  fours = [4, 4, 4, 4, 4, 4, 4, 4]
+  assert tree_policy.calibration_batches(widths, fours, 5) == [2, 6]
+  assert tree_policy.calibration_batches(widths, [4, 4, 1, 4, 4, 4, 4, 4], 4) == [4]
+  assert tree_policy.calibration_batches(widths, [4, 4, 4, 4, 1, 4, 4, 4], 4) == [2, 6]
+  assert tree_policy.calibration_batches([], [], 4) == []
+  # Scripts that decode one prompt at a time: each prompt its own batch, ordered by length.
+  picked = tree_policy.spread_prompts([[1, 2, 3], [4], [5, 6]], 2)
+  assert [(ids.tolist(), n.tolist()) for ids, n in picked] == [([[4]], [1]), ([[1, 2, 3]], [3])]
+  with pytest.raises(ValueError, match='must not decrease'):
+    tree_policy.calibration_batches([32, 16], [1, 1], 1)
+  with pytest.raises(ValueError, match='2 widths but 1 row counts'):
+    tree_policy.calibration_batches([16, 32], [1], 1)

@@ -307,8 +307,8 @@ def summary(metrics: dict[str, Any]) -> str:
   if (metrics.get('tree_policy') or {}).get('chosen'):
     policy = metrics['tree_policy']
     chosen = ('the baseline, no speculation: no candidate beat it,'
-              if policy['chosen'] == 'baseline' else policy['chosen'] + ' of'
-              f" {len(policy['candidates']) - 1}")
+              if policy['chosen'] == 'baseline' else policy['chosen'] + ' among'
+              f" {len(policy['candidates']) - 1} candidates")
     rows.append(('tree policy', f"chose {chosen} (timed on"
                                 f" {policy['calibration']['rows']} rows at start-up)"))
   if 'speedup' in metrics:

@@ -9,7 +9,7 @@ at several temperatures.
   4. models       the target and draft (`speclm.run.providers`), sharded when a mesh is set
   5. calibration  adaptive γ's costs (`speclm.run.calibration`, cached per machine)
   6. accept       the full fingerprint recorded; only now does the directory change
-  7. tree policy  the chain or a tree, timed on the first pending batch (`@tree_policy()`)
+  7. tree policy  the chain or a tree, timed on batches of spread lengths (`@tree_policy()`)
   8. decode       batch by batch (`speclm.run.records`), each batch appended durably; a
                  conversational dataset's later turns after the earlier replies (`speclm.run.turns`)
   9. report       metrics.json over every recorded example (`speclm.analysis.job_metrics`)
@@ -156,8 +156,9 @@ def run_job(*,
       `speclm.token_trees`): each round verifies the tree in one target call instead of a
       chain of γ (`speclm.tree_decoding`), and `gamma` is unused. One device only. Or
       `@tree_policy()` (`speclm.run.calibration.tree_policy`): at start-up the job times the chain
-      (with `gamma`) and each candidate tree on its first rows and decodes with the fastest
-      as measured; metrics.json records the table under 'tree_policy'. One process only.
+      (with `gamma`) and each candidate tree on a few of its batches, spread over its prompt
+      lengths, and decodes with the fastest as measured; metrics.json records the table
+      under 'tree_policy'. One process only.
     sampling: `speclm.SamplingConfig`, or a provider of one (`@sampling_config`); temperature
       0 is greedy.
     max_new_tokens: generation limit per example.
@@ -199,7 +200,7 @@ def run_job(*,
       partitioner=partitioner, overwrite=overwrite, on_bad_logits=on_bad_logits)
   process = _Process(jax.process_index(), jax.process_count())
   if settings.policy is not None and process.count > 1:
-    raise JobError('run_job.tree = @tree_policy() calibrates on one process\'s first batch, so'
+    raise JobError('run_job.tree = @tree_policy() calibrates on one process\'s batches, so'
                    ' processes could choose different trees; set a fixed tree (@token_tree(),'
                    ' @dynamic_tree()) for several processes.')
   stream = progress_stream or sys.stderr
@@ -398,12 +399,12 @@ def _plan_batches(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir
 def _choose_decoding(settings: settings_lib.JobSettings, out: outputs_lib.OutputDir, batches,
                      pair: _Pair, vocabulary, rule, stream) -> _Decoding:
   """Phase 7: how the speculative method decodes: the adaptive rule, the fixed γ or tree, or
-  what a tree policy chose on the first pending batch."""
+  what a tree policy chose on pending batches spread over the prompt lengths."""
   if settings.policy is None:
     return _Decoding(gamma=rule or settings.gamma, rule=rule, tree=settings.tree)
-  tree, record = _apply_policy(settings.policy, out, batches[0] if batches else None,
-                               pair.target, pair.draft, gamma=settings.gamma,
-                               sampling=settings.sampling, seed=settings.seed,
+  tree, record = _apply_policy(settings.policy, out, batches, pair.target, pair.draft,
+                               gamma=settings.gamma, sampling=settings.sampling,
+                               seed=settings.seed,
                                vocabulary=vocabulary, stream=stream)
   return _Decoding(gamma=settings.gamma, tree=tree, policy_record=record,
                    speculate=record.get('chosen') != tree_policy_lib.BASELINE)
@@ -528,12 +529,13 @@ def _check_bad_logits(metrics: dict[str, Any], on_bad_logits: str, output_dir: s
 
 
 def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir,
-                  batch: inputs_lib.Batch | None, target, draft, *, gamma, sampling, seed,
-                  vocabulary, stream) -> tuple[Any, dict[str, Any]]:
+                  batches: Sequence[inputs_lib.Batch], target, draft, *, gamma, sampling,
+                  seed, vocabulary, stream) -> tuple[Any, dict[str, Any]]:
   """The tree a `@tree_policy()` job decodes with (None: the chain, or no speculation when the
   entry's 'chosen' is 'baseline') and its metrics entry.
 
-  The choice is made once, on the first pending batch, and recorded in the output directory
+  The choice is made once, on pending batches spread over the prompt lengths
+  (`tree_policy.calibration_batches`), and recorded in the output directory
   (`outputs.TREE_POLICY`) before anything is decoded: a resumed job decodes with the tree its
   first run chose (the fingerprint already holds the policy), and one with nothing left to
   decode does not calibrate.
@@ -548,18 +550,22 @@ def _apply_policy(policy: tree_policy_lib.TreePolicy, out: outputs_lib.OutputDir
       print(f"Tree policy: decoding with {chosen}, as chosen when this job started"
             f' ({recorded}).', file=stream, flush=True)
       return policy.candidates.get(chosen), entry
-  if batch is None:
+  if not batches:
     return None, {'chosen': None, 'note': 'nothing was left to decode, so no calibration ran'}
-  rows = min(policy.calibration_rows, batch.num_real)
+  picked = [batches[i] for i in tree_policy_lib.calibration_batches(
+      [b.tokens.shape[1] for b in batches], [b.num_real for b in batches],
+      policy.calibration_rows)]
+  rows = sum(b.num_real for b in picked)
   trees = sum(tree is not None for tree in policy.candidates.values())
-  print(f'Tree policy: timing the baseline, the chain and {trees} tree(s) on {rows} row(s) ×'
-        f' {policy.calibration_tokens} tokens ({policy.repeats} timed repeats, each compiled'
-        ' first) …', file=stream, flush=True)
+  print(f'Tree policy: timing the baseline, the chain and {trees} tree(s) on {rows} row(s) in'
+        f' {len(picked)} batch(es) of prompt widths {[b.tokens.shape[1] for b in picked]}'
+        f' × {policy.calibration_tokens} tokens ({policy.repeats} timed repeats, each'
+        ' compiled first) …', file=stream, flush=True)
   try:
     choice = tree_policy_lib.choose(
-        policy, target, draft, batch.tokens[:batch.num_real], batch.lengths[:batch.num_real],
+        policy, target, draft, [(b.tokens[:b.num_real], b.lengths[:b.num_real]) for b in picked],
         gamma=gamma, sampling=sampling, eos_id=list(vocabulary.end_ids) or None,
-        pad_id=vocabulary.pad_id, seed=seed + batch.examples[0].example.index)
+        pad_id=vocabulary.pad_id, seed=seed + picked[0].examples[0].example.index)
   except ValueError as e:
     raise JobError(f'run_job.tree = @tree_policy(): {e}') from None
   print(f'Tree policy: chose {choice.summary()}.', file=stream, flush=True)

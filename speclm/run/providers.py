@@ -115,13 +115,14 @@ def dynamic_tree(num_nodes: int = 16, depth: int = 5, top_k: int = 4,
 
 
 @gin.configurable
-def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: int = 2,
+def tree_policy(candidates: Mapping[str, Any] | None = None, calibration_rows: int = 4,
                 calibration_tokens: int = 32, repeats: int = 2, allow_baseline: bool = False,
                 min_tree_gain: float = 0.05) -> tree_policy_lib.TreePolicy:
-  """`run_job.tree = @tree_policy()`: at start-up the job decodes its first
-  `calibration_rows` rows with the baseline, the chain (its GAMMA) and every candidate tree,
-  `calibration_tokens` tokens each (one untimed warm-up, then `repeats` timed, interleaved
-  calls), and decodes everything with the fastest as measured (`speclm.run.calibration`).
+  """`run_job.tree = @tree_policy()`: at start-up the job decodes at least
+  `calibration_rows` rows (whole batches of its size, spread over its prompt lengths) with the
+  baseline, the chain (its GAMMA) and every candidate tree, `calibration_tokens` tokens each
+  (one untimed warm-up, then `repeats` timed, interleaved calls), and decodes everything
+  with the fastest as measured (`speclm.run.calibration`).
 
   `candidates`: name -> a tree (`@a/token_tree()`, `@dynamic_tree()`), rank paths
   (`[[0], [1], [0, 0]]`) or None (the chain); the chain is always added. Default: the chain,

@@ -6,8 +6,8 @@ measure a model pair for the analysis command line and the benchmark scripts.
                 the adaptive-γ rule priced with them, its timings cached per machine in
                 `cost_cache_dir()` ($SPECLM_COST_CACHE, else ~/.cache/speclm/costs)
   tree_policy   `TreePolicy` and `choose`: the job's pick between token trees, the chain and
-                (when allowed) the baseline, by measured speed on its first rows
-                (`run_job.tree = @tree_policy()`)
+                (when allowed) the baseline, by measured speed on rows spread over its
+                prompt lengths (`run_job.tree = @tree_policy()`)
   measurements  α on the target's own text (`generate_reference`, `estimate_alpha`), a timed
                 speedup (`measure_speedup`) and one Table-4 row (`run_report`)
 

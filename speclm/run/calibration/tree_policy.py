@@ -10,7 +10,10 @@ timings (`theory.choose_tree`) can be wrong both ways: the rates differ between 
 and a timed `extend` call misses the decode loop's own per-round work. So the policy here
 measures instead of predicting:
 
-  1. Take the first `calibration_rows` rows of the job's prompts.
+  1. Take at least `calibration_rows` rows of the job's prompts, as whole batches of the job's
+     own size, spread over its prompt lengths (`calibration_batches`: the job batches its
+     prompts by length, shortest first, and a tree's gain shrinks as the context grows, so
+     the first batch alone would judge the job by its shortest prompts).
   2. Decode them with the baseline (`autoregressive_decode`) and with every candidate (the
      chain, `speculative_decode` with the job's γ, is always one), `calibration_tokens` new
      tokens each: first one untimed call per candidate (compilation and warm-up), then
@@ -29,7 +32,7 @@ The tree theory's predictions (`theory.tree_expected_tokens`, and with c and r g
 report column only.
 
     policy = TreePolicy({'paths3': TreeShape.from_paths([(0,), (1,), (0, 0)])})
-    choice = choose(policy, target, draft, prompts, lengths, gamma=3)
+    choice = choose(policy, target, draft, [(prompts, lengths)], gamma=3)
     choice.tree      # None: the chain (speculative_decode with γ = 3); else the tree to use
     choice.rows      # the measured table (JSON-ready dicts)
 """
@@ -82,7 +85,10 @@ class TreePolicy:
     candidates: ordered mapping name -> `TreeShape`, `DynamicTree` or None (the plain chain,
       `speculative_decode` with the job's γ). The chain is added first, as 'chain', when no
       candidate is None, so it is always measured.
-    calibration_rows: rows of the prompt batch decoded (its first ones; fewer if it has fewer).
+    calibration_rows: rows of the job's prompts decoded, at least (fewer only if the job has
+      fewer): whole batches of the job's size, spread over its prompt lengths
+      (`calibration_batches`). One row of the shortest prompts misjudged a Spec-Bench job
+      (docs/decoding.md, "Token trees").
     calibration_tokens: new tokens per calibration decode.
     repeats: timed decodes per candidate (after one untimed warm-up decode).
     allow_baseline: the baseline (`autoregressive_decode`) may be chosen too, when it measured
@@ -95,7 +101,7 @@ class TreePolicy:
   """
 
   candidates: Mapping[str, token_trees.TreeShape | token_trees.DynamicTree | None]
-  calibration_rows: int = 2
+  calibration_rows: int = 4
   calibration_tokens: int = 32
   repeats: int = 2
   allow_baseline: bool = False
@@ -156,7 +162,8 @@ class PolicyChoice:
       rank_acceptance (trees), predicted_tokens_per_round and predicted_speedup (the theory,
       from the measured rates; None where it has none), identical_to_baseline (greedy only),
       warmup_s (the untimed first call: compilation), chosen.
-    calibration: rows, tokens, repeats, and seconds (the calibration's wall time).
+    calibration: rows, batches, prompt_lengths (each row's), tokens, repeats, min_tree_gain
+      and seconds (the calibration's wall time).
   """
 
   name: str
@@ -221,18 +228,53 @@ def _finite(x) -> float | None:
   return x if math.isfinite(x) else None
 
 
-def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
+def calibration_batches(widths: Sequence[int], batch_rows: Sequence[int],
+                        rows: int) -> list[int]:
+  """Which of a job's batches a calibration of at least `rows` rows decodes: indices into its
+  batches, whose prompt widths (`widths`, non-decreasing: the job batches by length) and real
+  rows (`batch_rows`) are given. Whole batches, as the job decodes them, enough to hold `rows`
+  rows (all of them when the job has fewer), taken at the middles of equal parts of the list,
+  so that they spread over the job's prompt lengths as its rows do."""
+  count = len(widths)
+  if count != len(batch_rows):
+    raise ValueError(f'calibration_batches: {count} widths but {len(batch_rows)} row counts.')
+  if count == 0:
+    return []
+  if any(b < a for a, b in zip(widths, widths[1:])):
+    raise ValueError(f'calibration_batches: widths must not decrease, got {list(widths)}.')
+  size = max(max(batch_rows), 1)
+  wanted = min(count, -(-rows // size))
+  while wanted < count:  # short batches (a width's last) may hold fewer rows than `size`
+    picked = [int((i + 0.5) * count / wanted) for i in range(wanted)]
+    if sum(batch_rows[i] for i in picked) >= rows:
+      return picked
+    wanted += 1
+  return list(range(count))
+
+
+def spread_prompts(prompts: Sequence[Sequence[int]], rows: int) -> list[tuple]:
+  """`rows` of token-id lists as a batch-1 job calibrates on them: each its own batch
+  (`[1, n]` ids, `[1]` length), picked by `calibration_batches` from the prompts ordered by
+  length. For scripts that decode their prompts one at a time, as the job does at batch 1."""
+  ordered = sorted(prompts, key=len)
+  picked = calibration_batches([len(ids) for ids in ordered], [1] * len(ordered), rows)
+  return [(np.asarray([ordered[i]], np.int32), np.asarray([len(ordered[i])], np.int32))
+          for i in picked]
+
+
+def choose(policy: TreePolicy, target, draft, batches, *, gamma: int,
            sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
            eos_id: int | Sequence[int] | None = None, seed: int = 0, pad_id: int = 0,
            c: float | None = None, r: Mapping[str, float] | None = None,
            progress: Callable[[str], Any] | None = None) -> PolicyChoice:
-  """Decodes the first rows of `prompts` with every candidate and returns the fastest.
+  """Decodes `batches` with every candidate and returns the fastest.
 
   Args:
-    policy: the candidates and the calibration's size.
+    policy: the candidates and the calibration's size (`calibration_rows` is the caller's to
+      apply: the job picks its batches with `calibration_batches`).
     target, draft: the models (`speclm.Model`).
-    prompts, lengths: right-padded prompts `[B, P]` and their lengths `[B]`; the first
-      `policy.calibration_rows` rows are decoded.
+    batches: (prompts, lengths) pairs, right-padded prompts `[B, P]` and their lengths `[B]`
+      (each its own B and P); a decode is one call per batch, in order, and every row counts.
     gamma: the chain's γ.
     sampling, eos_id, seed, pad_id: as in `speculative_decode` (timed repeat k uses seed + k).
     c, r: optional, for the theory's predicted speedup column only: c, and r per candidate
@@ -244,16 +286,18 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
     with `policy.allow_baseline`, the baseline when no candidate was faster than it.
   """
   gamma = decoding.check_gamma(gamma)
-  prompts, lengths = np.asarray(prompts), np.asarray(lengths)
-  if prompts.ndim != 2 or prompts.shape[0] < 1:
-    raise ValueError(f'prompts must be [B, P] with B >= 1, got shape {prompts.shape}.')
-  rows = min(policy.calibration_rows, prompts.shape[0])
-  tokens, token_lengths = prompts[:rows], lengths[:rows]
+  batches = [(np.asarray(prompts), np.asarray(lengths)) for prompts, lengths in batches]
+  if not batches:
+    raise ValueError('choose needs at least one batch of prompts to decode.')
+  for prompts, lengths in batches:
+    if prompts.ndim != 2 or prompts.shape[0] < 1 or lengths.shape != prompts.shape[:1]:
+      raise ValueError(f'each batch must be prompts [B, P] with B >= 1 and lengths [B], got'
+                       f' shapes {prompts.shape} and {lengths.shape}.')
   decodes = _candidate_decodes(policy, target, draft, gamma)
   common = dict(sampling=sampling, max_new_tokens=policy.calibration_tokens, eos_id=eos_id,
                 pad_id=pad_id)
-  runs = {name: (lambda k, decode=decode: decode(tokens, token_lengths, seed=seed + k,
-                                                 **common))
+  runs = {name: (lambda k, decode=decode: [decode(prompts, lengths, seed=seed + k, **common)
+                                           for prompts, lengths in batches])
           for name, decode in decodes.items()}
   started = time.perf_counter()
   warmup_s, results, seconds = _time_decodes(runs, policy.repeats, progress)
@@ -261,8 +305,10 @@ def choose(policy: TreePolicy, target, draft, prompts, lengths, *, gamma: int,
   best = next(row for row in table if row['chosen'])
   return PolicyChoice(
       name=best['name'], tree=policy.candidates.get(best['name']), rows=table,
-      calibration={'rows': rows, 'tokens': policy.calibration_tokens,
-                   'repeats': policy.repeats, 'min_tree_gain': policy.min_tree_gain,
+      calibration={'rows': sum(int(p.shape[0]) for p, _ in batches), 'batches': len(batches),
+                   'prompt_lengths': [int(n) for _, lengths in batches for n in lengths],
+                   'tokens': policy.calibration_tokens, 'repeats': policy.repeats,
+                   'min_tree_gain': policy.min_tree_gain,
                    'seconds': time.perf_counter() - started})
 
 
@@ -282,8 +328,8 @@ def _time_decodes(runs: dict[str, Callable[[int], Any]], repeats: int,
                   progress: Callable[[str], Any] | None):
   """Warms every run up (untimed, seed offset 0), then times `repeats` interleaved rounds.
 
-  Returns (warm-up seconds by name, the decode results by name (one per timed repeat, on the
-  host), the timed seconds by name).
+  Returns (warm-up seconds by name, the decode results by name (per timed repeat, a list of
+  one per batch, on the host), the timed seconds by name).
   """
   warmup_s = {}
   for name, run in runs.items():  # compile and warm up, untimed
@@ -317,13 +363,14 @@ def _measured_table(policy: TreePolicy, gamma: int, sampling, c, r, warmup_s, re
   (ties: the chain, then fewer nodes, then the order given), or the baseline when the policy
   allows it and no candidate was faster."""
   names = list(results)
-  per_token = {name: [s / max(int(np.sum(out.lengths)), 1)
-                      for s, out in zip(seconds[name], results[name])] for name in names}
-  base_outputs = [out.to_lists() for out in results[BASELINE]]
+  per_token = {name: [s / max(sum(int(np.sum(out.lengths)) for out in outs), 1)
+                      for s, outs in zip(seconds[name], results[name])] for name in names}
+  flat = {name: [out for outs in results[name] for out in outs] for name in names}
+  base_outputs = [out.to_lists() for out in flat[BASELINE]]
   table = []
   for name in names:
     tree = None if name == BASELINE else policy.candidates[name]
-    row = _row(name, tree, gamma, results[name], base_outputs, sampling, c, r)
+    row = _row(name, tree, gamma, flat[name], base_outputs, sampling, c, r)
     row.update(
         seconds=[float(s) for s in seconds[name]],
         seconds_per_token=float(statistics.median(per_token[name])),
