@@ -58,6 +58,9 @@ _PROMPTS = flags.DEFINE_integer('prompts', 4, 'Demo prompts (round k decodes pro
                                 ' every case the same one).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
 _GAMMA = flags.DEFINE_integer('gamma', 3, 'Draft tokens per speculative round.')
+_R_REPEATS = flags.DEFINE_integer('r_repeats', 5, 'Timed samples of each call r(γ) divides'
+                                   ' (`calibration.time_extend`); the median is kept.')
+_R_STEPS = flags.DEFINE_integer('r_steps', 20, 'Calls per timed sample of r(γ).')
 _THREADS = flags.DEFINE_integer('threads', 2, "llama.cpp's threads (speclm uses XLA's pool).")
 _LLAMA_CPP = flags.DEFINE_bool('llama_cpp', True, 'Include llama.cpp when importable.')
 _OUTPUT = flags.DEFINE_string(
@@ -132,9 +135,10 @@ def main(argv):
   print('Compiling and warming up …', flush=True)
   benchmarking.warm_up(cases)
   r_of = {}  # r(γ): a verification call of γ + 1 tokens over one decode step
+  timing = dict(context_length=128, repeats=_R_REPEATS.value, num_steps=_R_STEPS.value)
   for name, target in models.items():
-    one = costs.time_extend(target, num_new=1, context_length=128)
-    r_of[name] = costs.time_extend(target, num_new=_GAMMA.value + 1, context_length=128) / one
+    one = costs.time_extend(target, num_new=1, **timing)
+    r_of[name] = costs.time_extend(target, num_new=_GAMMA.value + 1, **timing) / one
   bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
   built = llama_cpp.llama_print_system_info().decode().strip() if llama_cpp else None
   report = render(cases, held, r_of, bandwidths, models, time.time() - started, built)

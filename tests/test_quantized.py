@@ -203,7 +203,8 @@ def test_benchmark_script_smoke_run_writes_its_report(tmp_path):
   out = tmp_path / 'report.md'
   proc = subprocess.run(
       [sys.executable, os.path.join(repo, 'scripts', 'benchmark_quantized.py'), '--rounds=1',
-       '--prompts=1', '--max_new_tokens=8', '--nollama_cpp', f'--output={out}'],
+       '--prompts=1', '--max_new_tokens=8', '--r_repeats=1', '--r_steps=2', '--nollama_cpp',
+       f'--output={out}'],
       cwd=tmp_path, capture_output=True, text=True, timeout=900,
       env=dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', '')))
   assert proc.returncode == 0, proc.stderr[-3000:]
