@@ -197,8 +197,8 @@ def policy_lines(choices, cases) -> list[str]:
            f'The job\'s default policy, calibrated as a batch-1 job does: on'
            f' {first["rows"]} prompt(s) spread over their lengths (of'
            f' {", ".join(map(str, first["prompt_lengths"]))} tokens), {first["tokens"]} new'
-           f' tokens, one untimed decode then {first["repeats"]} timed ones per candidate, interleaved'
-           ' (`speclm.run.calibration.choose`). It picks the fewest measured ms / token'
+           f' tokens, one untimed decode then {first["repeats"]} timed ones per candidate,'
+           ' interleaved (`speclm.run.calibration.choose`). It picks the fewest measured ms / token'
            ' (the chain is always a candidate). The theory columns use the measured rates with'
            ' c and r from isolated calls timed here, for comparison only.', '']
   for temperature, choice in choices.items():

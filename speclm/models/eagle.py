@@ -259,15 +259,17 @@ def random_draft(target: protocol.Model, num_layers: int = 1, head_size: int | N
 def deepen(trained: dict, new_layers: dict) -> dict:
   """`trained` (a draft's trained parameters, `layers_0 … layers_{k−1}`) with the decoder
   layers of `new_layers` (named `layers_k …`) appended as identities: their attention output
-  and MLP down kernels are set to zero, so each adds nothing to the residual stream and the
-  deeper draft's logits equal the shallower one's until training moves them."""
+  and MLP down projections (kernel, and bias where the family has one) are set to zero, so
+  each adds nothing to the residual stream and the deeper draft's logits equal the shallower
+  one's until training moves them."""
   deeper = dict(trained)
   for name, layer in new_layers.items():
     if name in trained:
       raise ValueError(f'{name} is already one of the draft\'s layers.')
     layer = {part: dict(params) for part, params in layer.items()}
-    layer['attention']['out'] = {'kernel': jnp.zeros_like(layer['attention']['out']['kernel'])}
-    layer['mlp']['down'] = {'kernel': jnp.zeros_like(layer['mlp']['down']['kernel'])}
+    for part, projection in (('attention', 'out'), ('mlp', 'down')):
+      layer[part][projection] = jax.tree_util.tree_map(jnp.zeros_like,
+                                                       layer[part][projection])
     deeper[name] = layer
   return deeper
 

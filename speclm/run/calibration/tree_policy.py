@@ -21,11 +21,11 @@ measures instead of predicting:
      so a slow period of a shared machine hits them all alike.
   3. Pick the candidate with the fewest measured seconds per generated token, where a tree
      must beat the chain by `min_tree_gain` (5%; ties: the chain, then fewer nodes). The
-     chain is always measured, so the pick is never slower than the chain as measured. With `allow_baseline`, the baseline competes too: when no candidate
-     beat it, the job decodes without speculation (`PolicyChoice.speculate` is False), so
-     speculation never makes the job slower than plain decoding as measured — at large
-     batches on a CPU, where verifying γ + 1 tokens per row costs nearly γ + 1 steps, that is
-     the usual outcome.
+     chain is always measured, so the pick is never slower than the chain as measured. With
+     `allow_baseline`, the baseline competes too: when no candidate beat it, the job decodes
+     without speculation (`PolicyChoice.speculate` is False), so speculation never makes the
+     job slower than plain decoding as measured — at large batches on a CPU, where verifying
+     γ + 1 tokens per row costs nearly γ + 1 steps, that is the usual outcome.
 
 The tree theory's predictions (`theory.tree_expected_tokens`, and with c and r given
 `theory.tree_walltime_improvement`) from the measured rates are kept in the table, as a
