@@ -327,6 +327,43 @@ def test_missing_metadata(tmp_path):
     gguf_reader.read_config(tmp_path / 'm.gguf')
 
 
+def test_one_pass_metadata_reader_reads_what_the_package_reads(tmp_path):
+  """`gguf_reader.FastGGUFReader` (arrays in one pass) against `gguf.GGUFReader`: every field's
+  types and contents, the tensors' offsets, on arrays of strings (empty and non-ASCII ones
+  too), of booleans and number types, and a nested one (the package's own code)."""
+  from speclm.checkpoints import gguf_reader as one_pass  # pylint: disable=g-import-not-at-top
+
+  def configure(writer):
+    writer.add_array('test.strings', ['', 'a', 'héllo wörld', 'x' * 300, '\u2581tok'])
+    writer.add_array('test.nested', [[1, 2], [3]])
+    writer.add_array('test.bools', [True, False, True])
+    for name, kind in (('u8', gguf.GGUFValueType.UINT8), ('i32', gguf.GGUFValueType.INT32),
+                       ('u64', gguf.GGUFValueType.UINT64), ('f32', gguf.GGUFValueType.FLOAT32),
+                       ('f64', gguf.GGUFValueType.FLOAT64)):
+      writer.add_key_value(f'test.{name}', [1, 2, 250], gguf.GGUFValueType.ARRAY,
+                           sub_type=kind)
+    writer.add_token_merges(['h e', 'he l'])
+
+  path = tmp_path / 'fields.gguf'
+  _write(path, {'a': np.ones((3, 8), np.float32), 'b': np.zeros((5,), np.float32)},
+         metadata={'test.scalar': 7, 'test.text': 'plain'}, configure=configure)
+  reference = gguf.GGUFReader(str(path), 'r')
+  fast = one_pass.fast_reader_class()(str(path), 'r')
+  assert list(fast.fields) == list(reference.fields)
+  for key, field in reference.fields.items():
+    assert fast.fields[key].types == field.types, key
+    assert fast.fields[key].contents() == field.contents(), key
+  assert fast.fields['test.strings'].contents()[2] == 'héllo wörld'
+  assert fast.fields['test.f64'].contents() == [1.0, 2.0, 250.0]
+  assert [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors] == [
+      (t.name, t.data_offset, t.n_bytes) for t in reference.tensors]
+  np.testing.assert_array_equal(np.asarray(fast.tensors[0].data), reference.tensors[0].data)
+  # `open_gguf` reads through it: the metadata keeps the small arrays, `array` the large ones.
+  opened = gguf_reader.open_gguf(path)
+  assert opened.metadata['test.u8'] == [1, 2, 250]
+  assert opened.array('tokenizer.ggml.merges') == ['h e', 'he l']
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer metadata
 

@@ -1,6 +1,7 @@
 """Reads GGUF checkpoints (the llama.cpp file format) of the Llama family into speclm.
 
-The `gguf` package parses the file (a memory map: nothing is unpickled). This module turns its
+The `gguf` package parses the file (a memory map: nothing is unpickled; its metadata arrays
+through `gguf_reader`'s one-pass reader). This module turns its
 metadata into a `LlamaConfig` and its tensors into our parameter tree (`speclm.models.llama`'s
 docstring), for the architectures llama.cpp's converter writes for the families speclm runs
 (`SUPPORTED_ARCHITECTURES`; any other is refused with that list):
@@ -60,6 +61,7 @@ from absl import logging
 from speclm import protocol
 from speclm import tokenizer
 from speclm.checkpoints import errors
+from speclm.checkpoints import gguf_reader
 from speclm.checkpoints import hf_llama
 from speclm.checkpoints.validate import check_finite
 from speclm.models import llama
@@ -156,12 +158,12 @@ _LARGE_ARRAYS = ('tokenizer.ggml.tokens', 'tokenizer.ggml.scores', 'tokenizer.gg
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
   """Opens a GGUF file (memory-mapped) and reads its metadata. Raises ValueError if corrupt."""
-  gguf = _gguf()
+  _gguf()  # the setup hint where the package is missing
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f'No GGUF file at {path!r}.')
   try:
-    reader = gguf.GGUFReader(path, 'r')
+    reader = gguf_reader.fast_reader_class()(path, 'r')
   except Exception as e:  # the reader raises ValueError/IndexError/… on a bad file
     raise errors.CheckpointError(f'{path} is not a readable GGUF file: {_diagnose(path, e)}',
                                  path=path) from e
@@ -202,7 +204,7 @@ def _tensor_extents(path: str) -> list[tuple[str, int, int]]:
   gguf = _gguf()
   extents = []
 
-  class HeaderOnly(gguf.GGUFReader):
+  class HeaderOnly(gguf_reader.fast_reader_class()):
     def _build_tensors(self, start_offs, fields):  # pylint: disable=arguments-differ
       for field in fields:
         _, name, _, dims, raw_type, offset = field.parts
