@@ -150,8 +150,11 @@ def test_packed_model_uses_the_kernel_for_few_rows_and_xla_for_prompts():
   assert all(uses_kernel(length) for length in (1, 2, 16))
   assert not any(uses_kernel(length) for length in (17, 64))
   prompt = np.arange(40, dtype=np.int32)[None] % 200
-  np.testing.assert_allclose(packed.definition.forward(packed.params, prompt),  # (head untied)
-                             target.definition.forward(target.params, prompt), atol=1e-6)
+  # Two programs (the head untied, the products placed apart): equal within a few float32
+  # rounding steps of logits up to about 3.
+  np.testing.assert_allclose(packed.definition.forward(packed.params, prompt),
+                             target.definition.forward(target.params, prompt), rtol=1e-6,
+                             atol=1e-6)
   tokens = np.zeros((1, 3), np.int32)
   assert cpu_matmul.TARGET_NAME not in str(
       jax.make_jaxpr(target.definition.forward)(target.params, tokens))  # plain: XLA's dots
