@@ -121,6 +121,11 @@ def test_skip_and_error_policies():
 def test_buckets_and_fixed_batch_shapes():
   assert data.default_buckets(100) == (16, 32, 64, 100)
   assert data.default_buckets(16) == (16,)
+  # Above 512, four widths a doubling: a long prompt pads by at most a quarter of its octave.
+  assert data.default_buckets(2048) == (16, 32, 64, 128, 256, 512, 640, 768, 896, 1024, 1280,
+                                        1536, 1792, 2048)
+  assert data.default_buckets(700) == (16, 32, 64, 128, 256, 512, 640, 700)
+  assert data.bucket_width(1187, data.default_buckets(2048)) == 1280
   assert data.bucket_width(17, (16, 32)) == 32
   v = data.ByteVocabulary()
   texts = ['a' * n for n in (3, 20, 5, 30, 7)]

@@ -48,56 +48,68 @@ def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window
   `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
 
   Tiled as flash attention is: the K positions split into n tiles of at most `PROMPT_BLOCK`;
-  query tile i (a `lax.scan`) visits key tiles up to its own (a `lax.fori_loop`; none that a
-  sliding `window` leaves wholly behind), keeping a running maximum, softmax denominator and
-  weighted sum in float32. Against every query over the whole cache (`attend`) that skips
-  the cache's empty slots and the masked half of the causal square, keeps each tile's scores
-  in the CPU's caches, and compiles to one loop whatever K is. Masked keys weigh exactly zero
-  either way; the sums run in another order, and the weights are not rounded to `dtype`
-  before the product with the values. `scale`, `cap`, `dtype`: as for `attend`; `window`: a
-  sliding window's length, or None."""
+  query tile i (a `lax.scan`) visits the key tiles before its own (a `lax.fori_loop`; none that
+  a sliding `window` leaves wholly behind), then its own, keeping a running maximum, softmax
+  denominator and weighted sum in float32. Against every query over the whole cache (`attend`)
+  that skips the cache's empty slots and the masked half of the causal square, keeps each
+  tile's scores in the CPU's caches, and compiles to one loop whatever K is. A key tile before
+  the query tile is wholly visible, so only the diagonal tile (and, with a window, every tile)
+  is masked. Masked keys weigh exactly zero either way; the sums run in another order, and the
+  weights are not rounded to `dtype` before the product with the values. `scale`, `cap`,
+  `dtype`: as for `attend`; `window`: a sliding window's length, or None."""
   batch, length, nkv, groups, h = q.shape
   tiles = -(-length // PROMPT_BLOCK)
   tile = -(-length // tiles)  # tiles of equal size, padding fewer than `tiles` positions
   pad = tiles * tile - length
   dt = jnp.dtype(dtype)
   lowest = jnp.finfo(jnp.float32).min
+  # Tiles first, each laid out as its products read it: q [n, B, Nkv, G, tile, H], keys and
+  # values [n, B, Nkv, tile, H]; one transpose each here instead of one per tile pair.
   q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-  q_tiles = jnp.moveaxis(q.reshape(batch, tiles, tile, nkv, groups, h), 1, 0)
-  keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
-  values = jnp.pad(values, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+  q_tiles = q.reshape(batch, tiles, tile, nkv, groups, h).transpose(1, 0, 3, 4, 2, 5)
 
-  def query_tile(_, inputs):
-    i, q_tile = inputs  # q_tile [B, tile, Nkv, G, H]
-    query_positions = i * tile + jnp.arange(tile)
+  def key_tiles(x):
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))).astype(dt)
+    return x.reshape(batch, nkv, tiles, tile, h).transpose(2, 0, 1, 3, 4)
 
-    def key_tile(j, carry):
-      top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
-      k = jax.lax.dynamic_slice_in_dim(keys, j * tile, tile, axis=2)
-      v = jax.lax.dynamic_slice_in_dim(values, j * tile, tile, axis=2)
-      key_positions = j * tile + jnp.arange(tile)
+  k_tiles, v_tiles = key_tiles(keys), key_tiles(values)
+  offsets = jnp.arange(tile)
+
+  def add_tile(carry, q_tile, i, j, masked: bool):
+    """The running sums after key tile j, for query tile i."""
+    top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
+    scores = jnp.einsum('BNGKH,BNLH->BNGKL', q_tile, k_tiles[j],
+                        preferred_element_type=jnp.float32) * scale
+    scores = softcap(scores, cap)
+    if masked:
+      query_positions, key_positions = i * tile + offsets, j * tile + offsets
       visible = key_positions[None, :] <= query_positions[:, None]  # [tile, tile]
       if window is not None:
         visible &= key_positions[None, :] > query_positions[:, None] - window
-      scores = _scores(q_tile, k, visible, scale, cap)
-      new_top = jnp.maximum(top, scores.max(axis=-1))
-      weights = jnp.exp(scores - new_top[..., None])
-      rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
-      total = total * rescale + weights.sum(axis=-1)
-      weighted = weighted * rescale[..., None] + jnp.einsum(
-          'BNGKL,BNLH->BNGKH', weights, v, preferred_element_type=jnp.float32)
-      return new_top, total, weighted
+      scores = jnp.where(visible, scores, lowest)
+    new_top = jnp.maximum(top, scores.max(axis=-1))
+    weights = jnp.exp(scores - new_top[..., None])
+    rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
+    total = total * rescale + weights.sum(axis=-1)
+    weighted = weighted * rescale[..., None] + jnp.einsum(
+        'BNGKL,BNLH->BNGKH', weights, v_tiles[j], preferred_element_type=jnp.float32)
+    return new_top, total, weighted
 
+  def query_tile(_, inputs):
+    i, q_tile = inputs  # q_tile [B, Nkv, G, tile, H]
     first = 0 if window is None else jnp.maximum(0, i * tile - window + 1) // tile
     start = (jnp.full((batch, nkv, groups, tile), lowest), jnp.zeros((batch, nkv, groups, tile)),
              jnp.zeros((batch, nkv, groups, tile, h)))
+    carry = jax.lax.fori_loop(
+        first, i, lambda j, carry: add_tile(carry, q_tile, i, j, masked=window is not None),
+        start)
     # Every query sees its own position, in tile i: its total is positive at the end.
-    _, total, weighted = jax.lax.fori_loop(first, i + 1, key_tile, start)
-    out = weighted / total[..., None]
-    return None, jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B, tile, Nkv, G, H]
+    _, total, weighted = add_tile(carry, q_tile, i, i, masked=True)
+    return None, (weighted / total[..., None]).astype(dt)  # [B, Nkv, G, tile, H]
 
   _, out = jax.lax.scan(query_tile, None, (jnp.arange(tiles), q_tiles))
-  return jnp.moveaxis(out, 0, 1).reshape(batch, tiles * tile, nkv, groups, h)[:, :length]
+  out = out.transpose(1, 0, 4, 2, 3, 5)  # [B, n, tile, Nkv, G, H]
+  return out.reshape(batch, tiles * tile, nkv, groups, h)[:, :length]
 
 
 # Up to this many rows a cache write is one `dynamic_update_slice` per row; above it, one

@@ -165,7 +165,8 @@ def run_job(*,
     batch_size: rows decoded together; short batches are padded to it.
     seed: base seed; each batch uses seed + its first example's index, in both methods.
     max_input_length, length_buckets, on_too_long, add_eos_to_inputs: input encoding (see
-      `speclm.data.inputs.encode_examples`); buckets default to powers of two up to the limit.
+      `speclm.data.inputs.encode_examples`); buckets default to
+      `speclm.data.inputs.default_buckets` (powers of two to 512, then four a doubling).
       When the target (or draft) has a known context length, inputs are also held to that
       context less `max_new_tokens`, by the same `on_too_long` rule.
     max_examples: decode only the first N examples.
