@@ -237,7 +237,8 @@ def default_buckets(max_input_length: int, smallest: int = 16,
   buckets, width = [], smallest
   while width < max_input_length:
     buckets.append(width)
-    width += width if width < finer_from else 1 << (width.bit_length() - 1) >> 2
+    octave = 1 << (width.bit_length() - 1)  # the power of two at or below `width`
+    width += width if width < finer_from else octave // 4
   buckets.append(max_input_length)
   return tuple(buckets)
 

@@ -23,12 +23,14 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 PROMPT_BLOCK = 256
 
 
-def _scores(q, keys, visible, scale: float, cap: float | None):
-  """float32 scores `[B, Nkv, G, K, L]` of q `[B, K, Nkv, G, H]` against keys `[B, Nkv, L, H]`
-  (same dtype): times `scale`, soft-capped at `cap`, the lowest float32 where `visible`
-  (broadcast against the scores) is false."""
-  scores = jnp.einsum('BKNGH,BNLH->BNGKL', q, keys, preferred_element_type=jnp.float32) * scale
-  return jnp.where(visible, softcap(scores, cap), jnp.finfo(jnp.float32).min)
+def _scores(q, keys, visible, scale: float, cap: float | None, q_layout: str = 'BKNGH'):
+  """float32 scores `[B, Nkv, G, K, L]` of q (`[B, K, Nkv, G, H]`, or as `q_layout` names its
+  axes) against keys `[B, Nkv, L, H]` (same dtype): times `scale`, soft-capped at `cap`, the
+  lowest float32 where `visible` (broadcast against the scores) is false; None: all visible."""
+  scores = jnp.einsum(f'{q_layout},BNLH->BNGKL', q, keys,
+                      preferred_element_type=jnp.float32) * scale
+  scores = softcap(scores, cap)
+  return scores if visible is None else jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
 
 
 def attend(q, keys, values, visible, *, scale: float, cap: float | None, dtype):
@@ -78,15 +80,13 @@ def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window
   def add_tile(carry, q_tile, i, j, masked: bool):
     """The running sums after key tile j, for query tile i."""
     top, total, weighted = carry  # [B, Nkv, G, tile], same, [B, Nkv, G, tile, H]
-    scores = jnp.einsum('BNGKH,BNLH->BNGKL', q_tile, k_tiles[j],
-                        preferred_element_type=jnp.float32) * scale
-    scores = softcap(scores, cap)
+    visible = None
     if masked:
       query_positions, key_positions = i * tile + offsets, j * tile + offsets
       visible = key_positions[None, :] <= query_positions[:, None]  # [tile, tile]
       if window is not None:
         visible &= key_positions[None, :] > query_positions[:, None] - window
-      scores = jnp.where(visible, scores, lowest)
+    scores = _scores(q_tile, k_tiles[j], visible, scale, cap, q_layout='BNGKH')
     new_top = jnp.maximum(top, scores.max(axis=-1))
     weights = jnp.exp(scores - new_top[..., None])
     rescale = jnp.exp(top - new_top)  # earlier tiles' sums, to the new maximum
