@@ -31,6 +31,7 @@ import time
 
 from absl import app
 from absl import flags
+import jax
 
 import speclm  # pylint: disable=unused-import  (registers the gin configurables)
 from speclm import outputs as outputs_lib
@@ -114,6 +115,12 @@ def run_jobs(workload: str, draft: str) -> None:
   finally:
     import gin  # pylint: disable=import-outside-toplevel
     gin.clear_config()
+    # Each job compiles its own programs, and LLVM maps every executable's code into memory.
+    # Dropping them between jobs keeps the process under the kernel's limit on mappings
+    # (vm.max_map_count, 65,530 by default): a run of five jobs without this died in LLVM with
+    # "Cannot allocate memory" on 2026-12-07. What a later job needs again comes back from the
+    # persistent compilation cache.
+    jax.clear_caches()
 
 
 def _alpha(records, categories=None) -> float | None:
@@ -182,11 +189,15 @@ def summary_table(spec: dict, demo: dict) -> list[str]:
   return lines
 
 
-def section(spec: dict, demo: dict, seconds: float) -> str:
+def section(spec: dict, demo: dict, seconds: float, resumed: bool = False) -> str:
+  """The doc's section; `seconds` this process's time, `resumed` whether it went on with jobs
+  an earlier run had begun (whose time it does not count)."""
   command = shlex.join(['python', 'scripts/evaluate_drafts.py', *sys.argv[1:]])
+  took = f'{seconds / 60:.0f} min' + (', resuming jobs an earlier run had begun' if resumed
+                                       else '')
   return '\n'.join([
       HEADING, '',
-      f'Written by `{command}` ({seconds / 60:.0f} min; do not edit by hand). Each row is a gin'
+      f'Written by `{command}` ({took}; do not edit by hand). Each row is a gin'
       ' job a user runs (`runs/spec_bench.gin` with the first'
       f' {_PER_CATEGORY.value} conversations of each Spec-Bench task, {_MAX_NEW.value} new'
       ' tokens a turn, MT-bench\'s second turn after the model\'s own first reply; `demo.gin`),'
@@ -220,13 +231,14 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--drafts: unknown {unknown}; choose from {sorted(DRAFTS)}.')
   started = time.time()
+  resumed = any(os.path.exists(job_dir(w, d)) for w in _WORKLOADS.value for d in _DRAFTS.value)
   if not _REPORT_ONLY.value:
     for workload in _WORKLOADS.value:
       for draft in _DRAFTS.value:
         run_jobs(workload, draft)
   spec = {d: read_results('spec_bench', d) for d in _DRAFTS.value}
   demo = {d: read_results('demo', d) for d in _DRAFTS.value}
-  text = section(spec, demo, time.time() - started)
+  text = section(spec, demo, time.time() - started, resumed)
   print(text)
   write_section(text)
 

@@ -28,6 +28,10 @@ Stages (each resumable, on CPU or a GPU):
      as identities, `eagle.deepen`, so training starts from the file's draft).
   4. evaluate: α at temperature 0 and 1 on held-out and demo prompts, by speculative decoding's
      own β statistics; writes the safetensors file and its MODEL_CARD.md.
+  Optional, instead of 4 on a trained file: average (--average_with=FILE): the draft in
+     --output_dir becomes the weighted mean of its parameters and FILE's (the same shapes and
+     head; "model soups", Wortsman et al., 2022), e.g. a run continued on sampled replies
+     averaged with the draft it started from, then evaluate as 4 does. The card records it.
 
   python scripts/train_smollm2_draft.py --work_dir=/tmp/w --stage=generate --num_prompts=960 \
       --sampled_replies=0 --gen_batch=64 --prompt_width=64
@@ -78,9 +82,15 @@ _WORK_DIR = flags.DEFINE_list('work_dir', None,
                               ' are written beside it).', required=True)
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', smollm2_draft.EAGLE_DIR,
                                   'Where the draft file and its model card go.')
-_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'features', 'train', 'evaluate'],
+_STAGE = flags.DEFINE_enum('stage', 'all', ['all', 'features', 'train', 'evaluate', 'average'],
                            'features, train (on the shards with features), evaluate'
-                           ' (re-measures the draft in --output_dir), or all three.')
+                           ' (re-measures the draft in --output_dir), all three, or average'
+                           ' (--average_with, then evaluate).')
+_AVERAGE_WITH = flags.DEFINE_string(
+    'average_with', None, '--stage=average: the draft file whose parameters are averaged into'
+    " --output_dir's (same shapes and head tokens), e.g. the --init_from file.")
+_AVERAGE_WEIGHT = flags.DEFINE_float('average_weight', 0.5, "--stage=average: the weight of"
+                                     " --average_with's parameters (the rest: the run's own).")
 _FEATURE_LAYERS = flags.DEFINE_string(
     'feature_layers', 'eagle3', "The target features the draft reads: 'eagle3' (layers 2, 15"
     " and 27: EAGLE-3), 'final' (the final hidden states: EAGLE), or decoder layers such as"
@@ -641,6 +651,38 @@ def evaluate(target, tok, trained, head_ids, metadata: dict) -> dict:
   return metadata
 
 
+def average(path: str, other: str, weight: float) -> tuple[dict, np.ndarray, dict]:
+  """(trained, head ids, metadata) of the mean (1 − weight)·θ(path) + weight·θ(other), the
+  metadata `path`'s with `averaged_with` added (the other file's hash, steps and positions)."""
+  if not 0.0 < weight < 1.0:
+    raise ValueError(f'--average_weight must be in (0, 1), got {weight}.')
+  trained, head_ids, metadata = smollm2_draft.read(path)
+  if 'averaged_with' in metadata:
+    raise ValueError(f'{path} is already an average; run --stage=train again first.')
+  other_trained, other_ids, other_metadata = smollm2_draft.read(other)
+  if not np.array_equal(head_ids, other_ids):
+    raise ValueError(f'{other} has another head (token subset) than {path}.')
+  trees.check_tree_shapes(trained, other_trained)
+  mean = jax.tree_util.tree_map(lambda a, b: (1.0 - weight) * a + weight * b,
+                                trained, other_trained)
+  with open(other, 'rb') as f:
+    sha256 = hashlib.sha256(f.read()).hexdigest()
+  metadata = dict(metadata, averaged_with=dict(
+      sha256=sha256, weight=weight, steps=other_metadata.get('steps'),
+      positions_seen=other_metadata.get('positions_seen')))
+  return mean, head_ids, metadata
+
+
+def _averaged(m: dict) -> str:
+  """The model card's line on weight averaging ('' for a file that was not averaged)."""
+  other = m.get('averaged_with')
+  if not other:
+    return ''
+  return (f"; then averaged with another draft file (sha256 `{other['sha256'][:16]}…`, its"
+          f" own run {other['steps']} steps) with weight {other['weight']:g} on it:"
+          " --stage=average")
+
+
 def _architecture(m: dict) -> str:
   layers = (f"SmolLM2's hidden states after layers {', '.join(map(str, m['feature_layers']))}"
             " (concatenated, projected to the width)" if m.get('feature_layers') else
@@ -713,7 +755,7 @@ def model_card(m: dict, path: str) -> str:
                    f" {m['learning_rate']}, {m['epochs']} epochs"
                    f"{_positions(m)}; {_loss(m)}; argmax accuracy"
                    " on the replies of the held-out data shard, teacher-forced,"
-                   f" {m['heldout_accuracy']:.3f}"),
+                   f" {m['heldout_accuracy']:.3f}{_averaged(m)}"),
       ('seed', m['seed']),
       ('wall time', f"generating the replies {m['generation_seconds'] / 60:.1f} min, features"
                     f" {m['feature_seconds'] / 60:.1f} min, training"
@@ -771,6 +813,11 @@ def main(argv):
   path = os.path.join(_OUTPUT_DIR.value, smollm2_draft.EAGLE_FILE)
   if _STAGE.value == 'evaluate':
     trained, head_ids, metadata = smollm2_draft.read(path)
+  elif _STAGE.value == 'average':
+    if not _AVERAGE_WITH.value:
+      raise app.UsageError('--stage=average needs --average_with.')
+    trained, head_ids, metadata = average(path, _AVERAGE_WITH.value, _AVERAGE_WEIGHT.value)
+    smollm2_draft.save(path, trained, head_ids, metadata)
   else:
     layers = feature_layers(target.definition.config.num_layers)
     if _STAGE.value in ('all', 'features'):

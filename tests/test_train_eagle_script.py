@@ -186,6 +186,30 @@ def test_init_from_continues_a_draft_file_and_counts_its_run(run, tmp_path):
   with pytest.raises(AssertionError, match=r'other parameters than this run.*feature_norm'):
     run_script(*flags, '--input_norms', '--noresume', f'--output_dir={tmp_path / "out2"}')
 
+  # --stage=average: the continued draft becomes the mean of its parameters and the file it
+  # started from, then is measured; the card names the other file; a second average, or one
+  # with a file of other shapes, is refused.
+  continued, head_ids, _ = smollm2_draft.read(os.path.join(out, smollm2_draft.EAGLE_FILE))
+  started, _, _ = smollm2_draft.read(first)
+  average = [*EAGLE, f'--work_dir={work}', f'--output_dir={out}', '--stage=average',
+             f'--average_with={first}', '--average_weight=0.25']
+  run_script(*average)
+  mean, mean_ids, averaged = smollm2_draft.read(os.path.join(out, smollm2_draft.EAGLE_FILE))
+  np.testing.assert_array_equal(mean_ids, head_ids)
+  expected = jax.tree_util.tree_map(lambda a, b: 0.75 * a + 0.25 * b, continued, started)
+  jax.tree_util.tree_map(lambda e, m: np.testing.assert_allclose(  # stored as bfloat16
+      m, e, rtol=2 ** -7, atol=1e-6), expected, mean)
+  assert averaged['averaged_with']['weight'] == 0.25
+  assert averaged['averaged_with']['steps'] == before['steps']
+  assert 0.0 <= averaged['heldout']['alpha_t0'] <= 1.0
+  card = open(os.path.join(out, 'MODEL_CARD.md'), encoding='utf-8').read()
+  assert averaged['averaged_with']['sha256'][:16] in card and '--stage=average' in card
+  with pytest.raises(AssertionError, match='already an average'):
+    run_script(*average)
+  with pytest.raises(AssertionError, match='Parameter tree mismatch'):
+    run_script(*EAGLE, f'--work_dir={work}', f'--output_dir={deeper}', '--stage=average',
+               f'--average_with={first}')
+
 
 def test_compare_drafts_smoke_run_lists_every_draft(run, tmp_path):
   """scripts/compare_drafts.py on tiny settings with this run's draft, alone and behind lookup
