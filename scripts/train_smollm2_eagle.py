@@ -665,12 +665,15 @@ def average(path: str, other: str, weight: float) -> tuple[dict, np.ndarray, dic
   trees.check_tree_shapes(trained, other_trained)
   mean = jax.tree_util.tree_map(lambda a, b: (1.0 - weight) * a + weight * b,
                                 trained, other_trained)
-  with open(other, 'rb') as f:
-    sha256 = hashlib.sha256(f.read()).hexdigest()
   metadata = dict(metadata, averaged_with=dict(
-      sha256=sha256, weight=weight, steps=other_metadata.get('steps'),
+      sha256=_sha256(other), weight=weight, steps=other_metadata.get('steps'),
       positions_seen=other_metadata.get('positions_seen')))
   return mean, head_ids, metadata
+
+
+def _sha256(path: str) -> str:
+  with open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
 
 
 def _averaged(m: dict) -> str:
@@ -737,8 +740,7 @@ def _positions(m: dict) -> str:
 
 def model_card(m: dict, path: str) -> str:
   """MODEL_CARD.md for the draft file at `path`, from its run's metadata `m`."""
-  with open(path, 'rb') as f:
-    sha256 = hashlib.sha256(f.read()).hexdigest()
+  sha256 = _sha256(path)
   rows = '\n'.join(
       f'| {label} | {m[key]["alpha_t0"]:.3f} | {m[key]["tokens_per_call_t0"]:.2f} |'
       f' {m[key]["alpha_t1"]:.3f} | {m[key]["tokens_per_call_t1"]:.2f} |'
@@ -807,6 +809,8 @@ def _hardware() -> str:
 
 def main(argv):
   del argv
+  if _STAGE.value == 'average' and not _AVERAGE_WITH.value:
+    raise app.UsageError('--stage=average needs --average_with.')
   if _PRECISION.value:
     jax.config.update('jax_default_matmul_precision', _PRECISION.value)
   target, tok = smollm2.load()
@@ -814,8 +818,6 @@ def main(argv):
   if _STAGE.value == 'evaluate':
     trained, head_ids, metadata = smollm2_draft.read(path)
   elif _STAGE.value == 'average':
-    if not _AVERAGE_WITH.value:
-      raise app.UsageError('--stage=average needs --average_with.')
     trained, head_ids, metadata = average(path, _AVERAGE_WITH.value, _AVERAGE_WEIGHT.value)
     smollm2_draft.save(path, trained, head_ids, metadata)
   else:
