@@ -10,6 +10,7 @@ Map a name to its HLO with `XLA_FLAGS=--xla_dump_to=DIR` (the `*after_optimizati
   python scripts/profile_decode.py --mode=speculative --max_new_tokens=64
   python scripts/profile_decode.py --mode=tree --tree_paths='0 1 0.0' --lookup_min_ngram=2
   python scripts/profile_decode.py --mode=tree --dynamic_tree=8,4,3,2 --lookup_min_ngram=2
+  python scripts/profile_decode.py --mode=baseline --quantized --max_new_tokens=128
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ _TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
 _CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Products through the packed CPU kernel'
                                  ' (llama.pack_for_cpu), as the demo and the benchmark run.')
+_QUANTIZED = flags.DEFINE_bool('quantized', False, 'The target\'s matrices kept in the GGUF'
+                               ' file\'s blocks (`smollm2_model.quantized`, as'
+                               ' scripts/benchmark_quantized.py runs it) instead of float32.')
 
 
 def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
@@ -107,7 +111,7 @@ def _tree() -> speclm.TreeShape | token_trees.DynamicTree:
 
 def main(argv):
   del argv
-  target, tok = smollm2.load()
+  target, tok = smollm2.load_model(quantized=_QUANTIZED.value), smollm2.load_tokenizer()
   draft = None
   if _MODE.value != 'baseline':
     load = smollm2_draft.load_eagle if _DRAFT.value == 'eagle' else smollm2_draft.load

@@ -106,6 +106,7 @@ def test_the_float_route_keeps_the_guarantees_and_differs_from_the_integer_one(t
   import sys  # pylint: disable=g-import-not-at-top
   code = ('import sys; sys.path.insert(0, sys.argv[1]); import numpy as np; '
           'import test_quantized as t\n'
+          'assert not t.quantized.interleaving()  # only the integer route reads them\n'
           'for fmt in t.INTEGER_FORMATS:\n'
           '  np.save(f"{sys.argv[2]}/{fmt}.npy", t.check_products(fmt))\n')
   env = dict(os.environ, SPECLM_QUANTIZED_FLOAT='1')
@@ -119,6 +120,74 @@ def test_the_float_route_keeps_the_guarantees_and_differs_from_the_integer_one(t
     assert np.array_equal(float_route, default_route) != vnni, fmt
     # (both within check_products' bound of the float64 product)
     assert np.max(np.abs(default_route - float_route)) <= 1e-5 * np.max(np.abs(float_route))
+
+
+@pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))
+def test_interleaved_rows_give_the_same_numbers(fmt):
+  """`quantized.interleave` (how matrices load where the integer route reads them) permutes a
+  matrix's bytes, sixteen rows at a time, and `deinterleave` undoes it; the products are bit
+  for bit those of the rows as stored at every row count, widening and lookups equal."""
+  rows = random_rows(fmt, 48, 512, seed=8)
+  mixed = quantized.interleave(rows, fmt)
+  assert mixed.shape == rows.shape and not np.array_equal(mixed, rows)
+  np.testing.assert_array_equal(np.sort(mixed, axis=None), np.sort(rows, axis=None))
+  np.testing.assert_array_equal(np.asarray(quantized.deinterleave(jnp.asarray(mixed), fmt)),
+                                rows)
+  # Byte o of row l's block b sits at 16·o + unit·l of its group's run for b: here the scale
+  # d (with Q4_1's m, Q4_K's and Q5_K's dmin: a 4-byte field) of row 19 (group 1, lane 3),
+  # block 1.
+  _, size = quantized.FORMATS[fmt]
+  runs = mixed.reshape(3, -1, 16 * size)
+  o = 208 if fmt == 'Q6_K' else 0
+  unit = 2 if fmt in ('Q8_0', 'Q4_0', 'Q6_K') else 4
+  np.testing.assert_array_equal(runs[1, 1, 16 * o + unit * 3:16 * o + unit * 4],
+                                rows[19, size + o:size + o + unit])
+  name = fmt + quantized.SUFFIX
+  assert quantized.interleaved(name) and quantized.file_format(name) == fmt
+  stored, held = jnp.asarray(rows), jnp.asarray(mixed)
+  np.testing.assert_array_equal(np.asarray(quantized.dequantize(held, name)),
+                                np.asarray(quantized.dequantize(stored, fmt)))
+  ids = jnp.asarray([[47, 0], [16, 15]])
+  np.testing.assert_array_equal(np.asarray(quantized.take_rows(held, ids, name)),
+                                np.asarray(quantized.take_rows(stored, ids, fmt)))
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((17, 512)).astype(np.float32))
+  if not quantized.interleaving():
+    with pytest.raises(ValueError, match='only the integer route'):
+      quantized.matmul(x, held, name)
+    return
+  product = jax.jit(quantized.matmul, static_argnums=2)
+  for m in (1, 2, 5, 17):
+    np.testing.assert_array_equal(np.asarray(product(x[:m], held, name)),
+                                  np.asarray(product(x[:m], stored, fmt)), err_msg=str(m))
+
+
+def test_loaders_interleave_where_the_integer_route_reads_and_rows_allow():
+  rows = random_rows('Q4_1', 48, 64)
+  name, held = quantized.loaded('Q4_1', rows)
+  if quantized.interleaving():
+    assert name == 'Q4_1_x16'
+    np.testing.assert_array_equal(held, quantized.interleave(rows, 'Q4_1'))
+  else:
+    assert name == 'Q4_1' and held is rows
+  odd = random_rows('Q4_1', 40, 64)  # not whole groups of 16: kept as stored
+  assert quantized.loaded('Q4_1', odd) == ('Q4_1', odd)
+  with pytest.raises(ValueError, match='multiple of 16 rows'):
+    quantized.interleave(odd, 'Q4_1')
+  with pytest.raises(ValueError, match='multiple of 16 rows'):
+    quantized.matmul(jnp.ones((1, 64)), jnp.asarray(odd), 'Q4_1_x16')
+
+
+def test_products_running_at_once_give_each_its_own_numbers():
+  """XLA runs independent products at the same time on its pool, each call handing out tasks
+  to helpers that linger between calls (parallel_tasks.h): every product still gets exactly
+  the numbers it gets alone."""
+  mats = [jnp.asarray(random_rows('Q4_0', 16 * (3 + i), 256, seed=20 + i)) for i in range(8)]
+  x = jnp.asarray(np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32))
+  together = jax.jit(lambda x, ms: [quantized.matmul(x * (i + 1), m, 'Q4_0')
+                                    for i, m in enumerate(ms)])(x, mats)
+  for i, m in enumerate(mats):
+    alone = jax.jit(quantized.matmul, static_argnums=2)(x * (i + 1), m, 'Q4_0')
+    np.testing.assert_array_equal(np.asarray(together[i]), np.asarray(alone), err_msg=str(i))
 
 
 @pytest.mark.parametrize('fmt', INTEGER_FORMATS)
@@ -151,7 +220,7 @@ def test_all_zero_rows_give_zeros_and_leave_the_other_rows_alone(fmt):
 
 def test_many_rows_take_the_dequantized_gemm_and_agree():
   rows = random_rows('Q4_K', 48, 512, seed=3)
-  x = np.random.default_rng(4).standard_normal((quantized.MAX_KERNEL_ROWS + 8, 512))
+  x = np.random.default_rng(4).standard_normal((quantized.kernel_rows() + 8, 512))
   x = jnp.asarray(x.astype(np.float32))
   many = np.asarray(quantized.product(x, jnp.asarray(rows), 'Q4_K'))
   few = np.asarray(quantized.product(x[:8], jnp.asarray(rows), 'Q4_K'))

@@ -79,9 +79,16 @@ def quantized_target(kind: str, fmt: str) -> str:
   return f'{TARGET_NAME}_quantized_{kind}_{fmt.lower()}'
 
 
+# The suffix of a format whose matrices are stored with sixteen rows interleaved
+# (`speclm.kernels.quantized.interleave`); only their product has a target of its own.
+INTERLEAVED_SUFFIX = '_x16'
+
+
 def _quantized_symbols():
   for fmt in QUANTIZED_FORMATS:
     yield quantized_target('matmul', fmt), 'QuantizedMatmul_' + fmt
+    yield (quantized_target('matmul', fmt + INTERLEAVED_SUFFIX),
+           'QuantizedMatmul_' + fmt + INTERLEAVED_SUFFIX)
     yield quantized_target('dequantize', fmt), 'QuantizedDequantize_' + fmt
 
 
@@ -290,6 +297,15 @@ def available() -> bool:
     logging.warning('cpu_matmul: kernel unavailable, using XLA products (%s)', message)
     return False
   return True
+
+
+@functools.lru_cache(maxsize=1)
+def integer_route() -> bool:
+  """Whether the GGUF-block products take integer dot products in this process
+  (`integer_blocks.h`: the kernel built with AVX512-VNNI, `SPECLM_QUANTIZED_FLOAT` unset)."""
+  if not available():
+    return False
+  return bool(ctypes.CDLL(library_path()).SpeclmQuantizedIntegerRoute())
 
 
 def bfloat16_exact(w) -> bool:

@@ -24,12 +24,15 @@
 // precision: products stay within 1e-6 of Σ|x||w| of the float64 product of the
 // widened weights (tests/test_quantized.py), as the float kernel's do.
 //
-// Lanes are output rows: sixteen stored rows (a task of quantized_matmul.cc) are read as
-// stored, a block's quant bytes transposed in registers so that each 32-bit lane holds four
-// consecutive weights of one row, and every vpdpbusd multiplies them by four digits of one
-// input row broadcast to all lanes. Each input row's arithmetic is the same whatever the
-// number of rows in the call (rows are taken five at a time, each with its own sums), so a
-// row's product does not depend on the call's row count. Sums go to float64 every 32 blocks.
+// Lanes are output rows: for sixteen stored rows (a task of quantized_matmul.cc), each 32-bit
+// lane holds four consecutive weights of one row, and every vpdpbusd multiplies them by four
+// digits of one input row broadcast to all lanes. Rows as the file stores them have a block's
+// quant bytes transposed in registers and its scales gathered; rows interleaved at load time
+// (`quantized.interleave`, the '_x16' formats) already hold them in that order, and a block of
+// the sixteen rows is a few plain loads from one run of memory (2-3x faster a decode step).
+// Each input row's arithmetic is the same whatever the number of rows in the call (rows are
+// taken five at a time, each with its own sums), so a row's product does not depend on the
+// call's row count. Sums go to float64 every 32 blocks.
 
 #ifndef SPECLM_KERNELS_INTEGER_BLOCKS_H_
 #define SPECLM_KERNELS_INTEGER_BLOCKS_H_
@@ -199,36 +202,71 @@ inline void Transpose16(const uint8_t* p, const int64_t* offsets, __m512i* out) 
   out[3] = _mm512_shuffle_i64x2(a23, b23, 0xEE);
 }
 
+// Where a group of sixteen stored rows keeps its blocks. As the file stores them (`Stored`),
+// row l's block starts `offsets[l]` bytes after row 0's, and sixteen rows' bytes at one offset
+// are transposed in registers or gathered. Interleaved at load time (`Interleaved`,
+// `quantized.interleave`): each block of the group's sixteen rows is one run of 16 × block
+// bytes, in which byte o of row l's block (o a multiple of the field's unit u, 4 bytes, or 2
+// for a 16-bit scale field) is at 16 o + u l, so that a field of the sixteen rows is one or a
+// few plain vector loads and the group is read front to back.
+struct Stored {
+  const int64_t* offsets;
+  __m512i gather;  // offsets as int32 lanes
+  static constexpr int64_t kSpan = 1;  // bytes of the group a block byte takes
+  // Sixteen bytes at block offset o of each row: lane l of out[i] holds bytes 4i … 4i + 3.
+  void Quad(const uint8_t* p, int64_t o, __m512i* out) const { Transpose16(p + o, offsets, out); }
+  // Four bytes at o of each row, lane l row l's.
+  __m512i Word(const uint8_t* p, int64_t o) const {
+    return _mm512_i32gather_epi32(gather, p + o, 1);
+  }
+  // Two bytes at o of each row, in the low half of lane l (the high half is not defined);
+  // `block_bytes` keeps the read inside the block.
+  __m512i Half(const uint8_t* p, int64_t o, int64_t block_bytes) const {
+    if (o + 4 <= block_bytes) return Word(p, o);
+    return _mm512_srli_epi32(Word(p, o - 2), 16);
+  }
+};
+
+struct Interleaved {
+  static constexpr int64_t kSpan = kGroup;
+  void Quad(const uint8_t* p, int64_t o, __m512i* out) const {
+    for (int i = 0; i < 4; ++i) out[i] = _mm512_loadu_si512(p + kGroup * o + 64 * i);
+  }
+  __m512i Word(const uint8_t* p, int64_t o) const { return _mm512_loadu_si512(p + kGroup * o); }
+  __m512i Half(const uint8_t* p, int64_t o, int64_t) const {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        p + kGroup * o)));
+  }
+};
+
 // Block b (32 weights) of sixteen rows as eight vectors of unsigned weights q', lane l of w[i]
 // weights 4i … 4i + 3 of row l (q' = q for 4 and 6 bits, q + 128 for Q8_0), with its scale d
 // (Q6_K: d[0] and d[1], of its two halves) and, where the format has one, the weight of the
-// centred offset: w = d (q − 8) + (m + 8 d).
-template <typename L>
-inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
-                      const __m512i& scale_offsets, __m512i* w, __m512* d, __m512* offset) {
+// centred offset: w = d (q − 8) + (m + 8 d). `first` is the group's first byte.
+template <typename L, typename Rows>
+inline void LoadBlock(const uint8_t* first, int64_t b, const Rows& rows, __m512i* w, __m512* d,
+                      __m512* offset) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   *offset = _mm512_setzero_ps();
   if constexpr (L::kBytes == Q6_KLayout::kBytes) {
     // Within a half of 128 weights (n), block k takes the low (k < 2) or high nibbles of bytes
     // 32 (k % 2) … of its 64, bits 2k and 2k + 1 of its 32 high bytes, scales 2k and 2k + 1.
-    const uint8_t* p = first + b / 8 * L::kBytes;
+    const uint8_t* p = first + b / 8 * L::kBytes * Rows::kSpan;
     const int n = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
-    const uint8_t* nibbles = p + 64 * n + 32 * (k % 2);
-    const uint8_t* high = p + 128 + 32 * n;
+    const int64_t nibbles = 64 * n + 32 * (k % 2), high = 128 + 32 * n;
     __m512i pairs[8];
-    Transpose16(nibbles, offsets, w);
-    Transpose16(nibbles + 16, offsets, w + 4);
-    Transpose16(high, offsets, pairs);
-    Transpose16(high + 16, offsets, pairs + 4);
+    rows.Quad(p, nibbles, w);
+    rows.Quad(p, nibbles + 16, w + 4);
+    rows.Quad(p, high, pairs);
+    rows.Quad(p, high + 16, pairs + 4);
     const __m512i two = _mm512_set1_epi8(3);
     for (int i = 0; i < 8; ++i) {
       const __m512i q = _mm512_and_si512(k / 2 ? _mm512_srli_epi16(w[i], 4) : w[i], low);
       const __m512i top = _mm512_and_si512(_mm512_srli_epi16(pairs[i], 2 * k), two);
       w[i] = _mm512_or_si512(q, _mm512_slli_epi16(top, 4));
     }
-    const __m512i scales = _mm512_i32gather_epi32(scale_offsets, p + 192 + 8 * n + 2 * k, 1);
-    const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_i32gather_epi32(scale_offsets, p + 206, 1), 16)));
+    const __m512i scales = rows.Half(p, 192 + 8 * n + 2 * k, L::kBytes);
+    const __m512 dd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(rows.Half(p, 208, L::kBytes)));
     d[0] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(scales, 24),
                                                                   24)));
     d[1] = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(scales, 16),
@@ -236,12 +274,12 @@ inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
     return;
   }
   if constexpr (L::kPackedScales) {
-    const uint8_t* p = first + b / 8 * L::kBytes;
+    const uint8_t* p = first + b / 8 * L::kBytes * Rows::kSpan;
     const int j = static_cast<int>(b % 8), shift = 8 * (j % 4);
     const auto word = [&](int at) {  // bytes at … at + 3 of each row, shifted to byte j % 4
-      return _mm512_srli_epi32(_mm512_i32gather_epi32(scale_offsets, p + at, 1), shift);
+      return _mm512_srli_epi32(rows.Word(p, at), shift);
     };
-    const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
+    const __m512i halves = rows.Word(p, 0);
     const __m512i s0 = word(4), s1 = word(8), six = _mm512_set1_epi32(63);
     __m512i scale, min;  // the 6-bit s_j and m_j, as ggml's get_scale_min_k4 reads them
     if (j < 4) {
@@ -260,15 +298,15 @@ inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
     *offset = _mm512_fmsub_ps(d[0], _mm512_set1_ps(static_cast<float>(L::kCentre)),
                               _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(min)));
     // Blocks 2c and 2c + 1 are the low and the high nibbles of the same 32 bytes.
-    const uint8_t* quants = p + L::kQuants + 32 * (j / 2);
-    Transpose16(quants, offsets, w);
-    Transpose16(quants + 16, offsets, w + 4);
+    const int64_t quants = L::kQuants + 32 * (j / 2);
+    rows.Quad(p, quants, w);
+    rows.Quad(p, quants + 16, w + 4);
     for (int i = 0; i < 8; ++i)
       w[i] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(w[i], 4) : w[i], low);
     if constexpr (L::kCentre == 16) {  // Q5_K: bit j of the 32 bytes at 16 is the fifth bit
       __m512i fifth[8];
-      Transpose16(p + 16, offsets, fifth);
-      Transpose16(p + 32, offsets, fifth + 4);
+      rows.Quad(p, 16, fifth);
+      rows.Quad(p, 32, fifth + 4);
       const __m512i one = _mm512_set1_epi8(1);
       for (int i = 0; i < 8; ++i) {
         const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(fifth[i], j), one);
@@ -277,12 +315,14 @@ inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
     }
     return;
   }
-  const uint8_t* p = first + b * L::kBytes;
-  const __m512i halves = _mm512_i32gather_epi32(scale_offsets, p, 1);
+  const uint8_t* p = first + b * L::kBytes * Rows::kSpan;
+  // d (and Q4_1's m above it): Q4_1's two scales are one 4-byte field, Q4_0's and Q8_0's d a
+  // 2-byte one.
+  const __m512i halves = L::kOffset ? rows.Word(p, 0) : rows.Half(p, 0, L::kBytes);
   d[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves));
   if constexpr (L::kCentre == 8) {
     __m512i packed[4];
-    Transpose16(p + L::kQuants, offsets, packed);
+    rows.Quad(p, L::kQuants, packed);
     for (int i = 0; i < 4; ++i) {  // low nibbles: weights 0–15, high: 16–31
       w[i] = _mm512_and_si512(packed[i], low);
       w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(packed[i], 4), low);
@@ -293,8 +333,8 @@ inline void LoadBlock(const uint8_t* first, int64_t b, const int64_t* offsets,
                                     _mm512_srli_epi32(halves, 16))));
     }
   } else {
-    Transpose16(p + L::kQuants, offsets, w);
-    Transpose16(p + L::kQuants + 16, offsets, w + 4);
+    rows.Quad(p, L::kQuants, w);
+    rows.Quad(p, L::kQuants + 16, w + 4);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int i = 0; i < 8; ++i) w[i] = _mm512_xor_si512(w[i], flip);  // q + 128
   }
@@ -309,38 +349,42 @@ inline __m512i DotBroadcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
-// A block's share of an input row's sum, added to `sum`: its digit sums t[digit][half] over the
-// stored q' (int32 lanes, one a stored row; halves of 16 weights), the stored rows' d and offset
-// weight, the input block's scale. The sums are centred in integers first (q − 8, q, q − 32),
-// so that no float subtraction of two large terms cancels: T = Σ (q' − z) X = Σ q' X − z ΣX.
+// A block's share of an input row's sum, added to `sum`: the digit sums over the stored q'
+// (int32 lanes, one a stored row) taken with vpdpbusd from the row's digits at `xr`, scaled by
+// the stored rows' d and the input block's unit, plus the offset weight times u ΣX. The sums
+// are centred in integers (q − 8, q, q − 32), so that no float subtraction of two large terms
+// cancels: Σ (q' − z) X = 2^16 (Σ q' a − z Σa) + (2^8 Σ q' b + Σ q' c − z Σbc), the chains of
+// a and c starting at −z Σa and −z Σbc. Both parts are exact in int32 and in float32 (below
+// 2^24 for the b, c part of 4-bit quants, where the whole is then rounded once, as a conversion
+// of the exact sum would be), and 2^16 times the first part may pass 2^31 (Q8_0, Q5_K, Q6_K),
+// so they are joined by one float multiply-add. Three chains of eight vpdpbusd (Q6_K: two
+// halves of four, each with its own scale); consecutive blocks overlap.
 template <typename L>
-inline __m512 AddBlock(__m512 sum, const __m512i (&t)[3][2], const __m512* d, __m512 offset,
-                       const BlockScale& s) {
+inline __m512 AddBlock(__m512 sum, const __m512i* w, const int8_t* xr, const __m512* d,
+                       __m512 offset, const BlockScale& s) {
   const __m512 unit = _mm512_set1_ps(s.unit);
-  // Σ (q' − z) X = 2^16 (Σ q' a − z Σa) + (2^8 Σ q' b + Σ q' c − z Σbc): both parts exact in
-  // int32 and in float32 (below 2^24 for the b, c part of 4-bit quants, where the whole is then
-  // rounded once, as a conversion of the exact sum would be), and 2^16 times the first part
-  // may pass 2^31 (Q8_0, Q5_K, Q6_K), so they are joined by one float multiply-add.
-  const auto centred = [](__m512i ta, __m512i tb, __m512i tc, int32_t za, int32_t zbc) {
-    const __m512i a = _mm512_sub_epi32(ta, _mm512_set1_epi32(za));
-    const __m512i bc = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc),
-                                        _mm512_set1_epi32(zbc));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(65536.0f),
+  const auto centred = [&](int first, int count, int32_t za, int32_t zbc) {
+    __m512i ta = _mm512_set1_epi32(-za), tb = _mm512_setzero_si512(),
+            tc = _mm512_set1_epi32(-zbc);
+    for (int i = first; i < first + count; ++i) {
+      ta = DotBroadcast(ta, w[i], xr + 4 * i);
+      tb = DotBroadcast(tb, w[i], xr + 32 + 4 * i);
+      tc = DotBroadcast(tc, w[i], xr + 64 + 4 * i);
+    }
+    const __m512i bc = _mm512_add_epi32(_mm512_slli_epi32(tb, 8), tc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ta), _mm512_set1_ps(65536.0f),
                            _mm512_cvtepi32_ps(bc));
   };
   if constexpr (L::kBytes == Q6_KLayout::kBytes) {  // two halves, each with its own scale
     const int32_t a[2] = {s.first_a, s.sum_a - s.first_a};
     const int32_t bc[2] = {s.first_bc, s.sum_bc - s.first_bc};
     for (int h = 0; h < 2; ++h) {
-      const __m512 total = centred(t[0][h], t[1][h], t[2][h], 32 * a[h], 32 * bc[h]);
+      const __m512 total = centred(4 * h, 4, 32 * a[h], 32 * bc[h]);
       sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d[h], unit), sum);
     }
     return sum;
   }
-  const __m512 total = centred(_mm512_add_epi32(t[0][0], t[0][1]),
-                               _mm512_add_epi32(t[1][0], t[1][1]),
-                               _mm512_add_epi32(t[2][0], t[2][1]), L::kCentre * s.sum_a,
-                               L::kCentre * s.sum_bc);
+  const __m512 total = centred(0, 8, L::kCentre * s.sum_a, L::kCentre * s.sum_bc);
   sum = _mm512_fmadd_ps(total, _mm512_mul_ps(d[0], unit), sum);
   if constexpr (L::kOffset) sum = _mm512_fmadd_ps(offset, _mm512_set1_ps(s.unit_sum), sum);
   return sum;
@@ -348,11 +392,12 @@ inline __m512 AddBlock(__m512 sum, const __m512i (&t)[3][2], const __m512* d, __
 
 // The products of kRows input rows (digits from `x`: block b's at x + b · stride, the rows 96
 // bytes apart; scales `scales[r]`) with a group of sixteen stored rows, `blocks` blocks each:
-// out[16 r + l] for stored row l.
-template <typename L, int kRows>
-inline void GroupProducts(const uint8_t* first, const int64_t* offsets,
-                          const __m512i& scale_offsets, int64_t blocks, const int8_t* x,
-                          int64_t stride, const BlockScale* const* scales, float* out) {
+// out[16 r + l] for stored row l. `first` is the group's first byte, its rows read through
+// `rows` (`Stored` or `Interleaved`).
+template <typename L, int kRows, typename Rows>
+inline void GroupProducts(const uint8_t* first, const Rows& rows, int64_t blocks,
+                          const int8_t* x, int64_t stride, const BlockScale* const* scales,
+                          float* out) {
   __m512d lo[kRows], hi[kRows];
   for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_pd();
   for (int64_t b0 = 0; b0 < blocks; b0 += kFlushBlocks) {
@@ -361,19 +406,10 @@ inline void GroupProducts(const uint8_t* first, const int64_t* offsets,
     for (int64_t b = b0; b < std::min(b0 + kFlushBlocks, blocks); ++b) {
       __m512i w[8];
       __m512 d[2], offset;
-      LoadBlock<L>(first, b, offsets, scale_offsets, w, d, &offset);
+      LoadBlock<L>(first, b, rows, w, d, &offset);
       const int8_t* xb = x + b * stride;
-      for (int r = 0; r < kRows; ++r) {
-        const int8_t* xr = xb + r * kDigitBytes;
-        // Six independent chains (digit × half of the block), so the multiply-adds overlap.
-        __m512i t[3][2];
-        for (int digit = 0; digit < 3; ++digit) {
-          t[digit][0] = t[digit][1] = _mm512_setzero_si512();
-          for (int i = 0; i < 8; ++i)
-            t[digit][i / 4] = DotBroadcast(t[digit][i / 4], w[i], xr + 32 * digit + 4 * i);
-        }
-        sum[r] = AddBlock<L>(sum[r], t, d, offset, scales[r][b]);
-      }
+      for (int r = 0; r < kRows; ++r)
+        sum[r] = AddBlock<L>(sum[r], w, xb + r * kDigitBytes, d, offset, scales[r][b]);
     }
     for (int r = 0; r < kRows; ++r) {
       lo[r] = _mm512_add_pd(lo[r], _mm512_cvtps_pd(_mm512_castps512_ps256(sum[r])));
@@ -387,11 +423,12 @@ inline void GroupProducts(const uint8_t* first, const int64_t* offsets,
 }
 
 // Products of the m split rows with stored rows [first, end) (at most 16), written to
-// y[row_index[i] · n + row].
+// y[row_index[i] · n + row]. With `interleaved`, the matrix is stored as
+// `quantized.interleave` writes it (then n is a multiple of 16 and every group whole).
 template <typename L>
 inline void TaskProducts(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t end,
-                         const Digits& digits, int64_t m, const int64_t* row_index, int64_t n,
-                         float* y) {
+                         bool interleaved, const Digits& digits, int64_t m,
+                         const int64_t* row_index, int64_t n, float* y) {
   int64_t offsets[kGroup];
   alignas(64) int32_t scale_offsets[kGroup];
   for (int64_t l = 0; l < kGroup; ++l) {  // a short last group repeats its last row
@@ -408,8 +445,13 @@ inline void TaskProducts(const uint8_t* w, int64_t row_bytes, int64_t first, int
     const BlockScale* scales[kMaxRows];
     for (int64_t r = 0; r < count; ++r) scales[r] = digits.scales.data() + (i0 + r) * blocks;
     const auto run = [&](auto rows) {
-      GroupProducts<L, decltype(rows)::value>(rows_start, offsets, gather, blocks, x, stride,
-                                              scales, out);
+      constexpr int kRows = decltype(rows)::value;
+      if (interleaved) {
+        GroupProducts<L, kRows>(rows_start, Interleaved{}, blocks, x, stride, scales, out);
+      } else {
+        GroupProducts<L, kRows>(rows_start, Stored{offsets, gather}, blocks, x, stride, scales,
+                                out);
+      }
     };
     switch (count) {
       case 1: run(std::integral_constant<int, 1>()); break;

@@ -8,7 +8,9 @@
 // 1.3-2.7x the float route's speed at 1-5 rows; SPECLM_QUANTIZED_FLOAT=1 keeps the float route.
 //
 // Threads take output rows 16 at a time (`speclm::RunTasks`, parallel_tasks.h: the calling
-// thread and helpers on XLA's own thread pool). With up to five input rows (a decode step, or
+// thread from the first rows on, helpers on XLA's own thread pool from the last rows back).
+// Where the integer route is taken, matrices load with sixteen rows interleaved (the '_x16'
+// targets; `quantized.interleave`). With up to five input rows (a decode step, or
 // a verification of γ ≤ 4 drafted tokens), the thread widens 64 weights of an output row at a
 // time into registers and multiplies them into every input row at once (one input row takes
 // four output rows at a time, two take two); with more input rows it widens the output row's
@@ -430,7 +432,19 @@ SPECLM_INTEGER_LAYOUT(Q6_K)
 #undef SPECLM_INTEGER_LAYOUT
 #endif
 
-template <typename F>
+// Whether products take integer_blocks.h's route in this process (AVX512-VNNI compiled in, and
+// SPECLM_QUANTIZED_FLOAT unset). Only that route reads interleaved matrices.
+bool IntegerRoute() {
+#if defined(SPECLM_INTEGER_BLOCKS)
+  return speclm::integer_blocks::Enabled();
+#else
+  return false;
+#endif
+}
+
+// x @ W^T with W as the file stores it or, with kInterleaved, as `quantized.interleave` wrote
+// it (sixteen rows' blocks interleaved; integer route only).
+template <typename F, bool kInterleaved>
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto x_dims = x.dimensions();
@@ -441,6 +455,11 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         "quantized_matmul: expects x [M, K] and w [N, K / block weights × block bytes]");
   }
   const int64_t k_dim = x_dims[1], n = w_dims[0], row_bytes = w_dims[1];
+  if (kInterleaved && (n % kRowsPerTask != 0 || !IntegerRoute())) {
+    return ffi::Error::InvalidArgument(
+        "quantized_matmul: interleaved rows need a multiple of 16 rows and the integer route"
+        " (AVX512-VNNI, SPECLM_QUANTIZED_FLOAT unset)");
+  }
   // All-zero rows are not multiplied (zero_rows.h): m counts the others.
   const speclm::LiveRows live = speclm::FindLiveRows(x.typed_data(), x_dims[0], k_dim);
   const int64_t m = live.count();
@@ -463,7 +482,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       ib::Split(x_data, m, k_dim, &digits);
       const ib::Digits& split = digits;
       speclm::RunTasks(pool, n, kRowsPerTask, [&](int64_t first, int64_t end) {
-        ib::TaskProducts<Layout>(w_data, row_bytes, first, end, split, m, row_index, n, y_data);
+        ib::TaskProducts<Layout>(w_data, row_bytes, first, end, kInterleaved, split, m,
+                                 row_index, n, y_data);
       });
       return ffi::Error::Success();
     }
@@ -518,7 +538,13 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
 }  // namespace
 
 #define SPECLM_QUANTIZED_TARGETS(F)                                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul_##F, MatmulImpl<F>,                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul_##F, (MatmulImpl<F, false>),            \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                       \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                        \
+                                    .Ret<ffi::Buffer<ffi::F32>>());                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul_##F##_x16, (MatmulImpl<F, true>),       \
                                 ffi::Ffi::Bind()                                        \
                                     .Ctx<ffi::ThreadPool>()                             \
                                     .Arg<ffi::Buffer<ffi::F32>>()                       \
@@ -536,3 +562,6 @@ SPECLM_QUANTIZED_TARGETS(Q4_1)
 SPECLM_QUANTIZED_TARGETS(Q4_K)
 SPECLM_QUANTIZED_TARGETS(Q5_K)
 SPECLM_QUANTIZED_TARGETS(Q6_K)
+
+// 1 where matrices should be interleaved at load time (`quantized.interleaving`), else 0.
+extern "C" int SpeclmQuantizedIntegerRoute() { return IntegerRoute() ? 1 : 0; }

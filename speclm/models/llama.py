@@ -152,7 +152,7 @@ def _on_cpu_kernels(attention_params) -> bool:
 def _stored_format(module: nn.Module) -> str | None:
   """The quantized format whose stored rows `module` holds instead of a float parameter."""
   from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-  for fmt in quantized.FORMATS:
+  for fmt in quantized.STORED_FORMATS:
     if module.has_variable('params', fmt):
       return fmt
   return None
