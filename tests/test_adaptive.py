@@ -483,7 +483,8 @@ def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch
   re-times), not the rest of speclm. A listed file this copy lacks (decode_common.py here) is
   skipped, and counts once it exists."""
   for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc', 'run/job.py',
-               'adaptive.py', 'speculative.py', 'sampling.py', 'protocol.py'):
+               'kernels/parallel_tasks.h', 'adaptive.py', 'speculative.py', 'sampling.py',
+               'protocol.py'):
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_text('# v1')
   monkeypatch.setattr(costs_lib, '__file__', str(tmp_path / 'run' / 'calibration' / 'costs.py'))
@@ -495,7 +496,8 @@ def test_cached_costs_go_stale_when_the_timed_code_changes(tmp_path, monkeypatch
   first = digest()
   (tmp_path / 'run' / 'job.py').write_text('# v2')
   assert digest() == first
-  for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc'):
+  for name in ('decoding.py', 'models/llama.py', 'kernels/skinny_matmul.cc',
+               'kernels/parallel_tasks.h'):  # the kernels' headers too
     (tmp_path / name).write_text('# v2')
     assert digest() != first
     (tmp_path / name).write_text('# v1')

@@ -453,7 +453,7 @@ def _timed_code_digest() -> str:
     if not os.path.exists(path):
       continue
     files = ([os.path.join(path, f) for f in sorted(os.listdir(path))
-              if f.endswith(('.py', '.cc'))] if os.path.isdir(path) else [path])
+              if f.endswith(('.py', '.cc', '.h'))] if os.path.isdir(path) else [path])
     for file in files:
       digest.update(os.path.relpath(file, root).encode())
       with open(file, 'rb') as f:
