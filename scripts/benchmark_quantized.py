@@ -22,7 +22,8 @@ prefill included in each time, every case once per round in turn (medians of the
     (`smollm2_model`, the demo's target);
   * speclm baseline, quantized: the matrices kept as stored (`smollm2_model.quantized`);
   * speclm speculative with each target, the trained draft behind prompt lookup (the demo's),
-    fixed γ;
+    fixed γ: `--gamma` (3) with float32 weights, `--quantized_gamma` (1) with the stored
+    blocks, whose extra verified rows cost more;
   * llama.cpp plain decoding and llama.cpp with its prompt-lookup speculation
     (`LlamaPromptLookupDecoding`), `--threads` threads, when `llama_cpp` is importable
     (`pip install llama-cpp-python`, which builds llama.cpp from source).
@@ -57,7 +58,12 @@ _ROUNDS = flags.DEFINE_integer('rounds', 4, 'Interleaved repetitions of every ca
 _PROMPTS = flags.DEFINE_integer('prompts', 4, 'Demo prompts (round k decodes prompt k mod n,'
                                 ' every case the same one).')
 _MAX_NEW = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens generated per prompt.')
-_GAMMA = flags.DEFINE_integer('gamma', 3, 'Draft tokens per speculative round.')
+_GAMMA = flags.DEFINE_integer('gamma', 3, 'Draft tokens per speculative round, float32 target'
+                             ' (and llama.cpp\'s prompt lookup).')
+_QUANTIZED_GAMMA = flags.DEFINE_integer(
+    'quantized_gamma', 1, 'Draft tokens per speculative round with the quantized target: its'
+    ' products are bound by arithmetic, so each verified row costs more than with float32'
+    ' weights (r of 2 rows 1.03, of 4 rows 1.9-2.2 on an AMD EPYC; docs/performance.md).')
 _R_REPEATS = flags.DEFINE_integer('r_repeats', 5, 'Timed samples of each call r(γ) divides'
                                    ' (`calibration.time_extend`); the median is kept.')
 _R_STEPS = flags.DEFINE_integer('r_steps', 20, 'Calls per timed sample of r(γ).')
@@ -77,15 +83,18 @@ def _llama_cpp():
   return llama_cpp, llama_speculative
 
 
-def speclm_case(name, target, draft, batches):
+def _gamma(target_name: str) -> int:
+  return _QUANTIZED_GAMMA.value if target_name == 'quantized' else _GAMMA.value
+
+
+def speclm_case(name, target, draft, batches, gamma=None):
   def run(round_index):
     tokens, lengths = batches[round_index % len(batches)]
     kwargs = dict(max_new_tokens=_MAX_NEW.value, eos_id=None)
     if draft is None:
       result = speclm.autoregressive_decode(target, tokens, lengths, **kwargs)
     else:
-      result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=_GAMMA.value,
-                                         **kwargs)
+      result = speclm.speculative_decode(target, draft, tokens, lengths, gamma=gamma, **kwargs)
     case.stats.append(result.stats)
     return np.asarray(result.tokens)[:, :_MAX_NEW.value]
 
@@ -122,7 +131,7 @@ def main(argv):
   for name, target in models.items():
     cases.append(speclm_case(f'speclm baseline, {name}', target, None, batches))
   for name, target in models.items():
-    cases.append(speclm_case(_spec_name(name), target, draft, batches))
+    cases.append(speclm_case(_spec_name(name), target, draft, batches, gamma=_gamma(name)))
   llama_cpp, llama_speculative = _llama_cpp() if _LLAMA_CPP.value else (None, None)
   if llama_cpp is not None:
     common = dict(model_path=smollm2.gguf_path(), n_threads=_THREADS.value,
@@ -138,7 +147,7 @@ def main(argv):
   timing = dict(context_length=128, repeats=_R_REPEATS.value, num_steps=_R_STEPS.value)
   for name, target in models.items():
     one = costs.time_extend(target, num_new=1, **timing)
-    r_of[name] = costs.time_extend(target, num_new=_GAMMA.value + 1, **timing) / one
+    r_of[name] = costs.time_extend(target, num_new=_gamma(name) + 1, **timing) / one
   bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
   built = llama_cpp.llama_print_system_info().decode().strip() if llama_cpp else None
   report = render(cases, held, r_of, bandwidths, models, time.time() - started, built)
@@ -146,7 +155,7 @@ def main(argv):
 
 
 def _spec_name(target_name: str) -> str:
-  return f'speclm speculative γ={_GAMMA.value}, {target_name}'
+  return f'speclm speculative γ={_gamma(target_name)}, {target_name}'
 
 
 def _read_bytes(target) -> int:

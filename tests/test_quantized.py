@@ -279,7 +279,7 @@ def test_benchmark_script_smoke_run_writes_its_report(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = out.read_text()
   for case in ('speclm baseline, float32', 'speclm baseline, quantized',
-               'speclm speculative γ=3, float32', 'speclm speculative γ=3, quantized'):
+               'speclm speculative γ=3, float32', 'speclm speculative γ=1, quantized'):
     assert f'| {case} |' in report
   assert '| quantized | 96.6 MB | 96.6 MB |' in report
   assert report.count('| True |') == 2  # greedy speculative output = baseline, both targets
