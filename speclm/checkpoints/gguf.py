@@ -488,14 +488,13 @@ def _quantized_matrices(file: GGUFFile, config: llama.LlamaConfig
   # each would raise glibc's threshold for memory maps, and the copies after it would come
   # from the heap, which keeps them resident after they are freed (a 7B Q4_K model's peak
   # went from 5.9 to 8.5 GB).
-  interleaving = quantized.interleaving()
-  sizes = [int(file.tensors[name].n_bytes) for name, kind in types.values()
-           if kind in quantized.FORMATS]
-  buffer = np.empty(max(sizes), np.uint8) if interleaving and sizes else None
+  interleaved = {name for name, kind in types.values() if kind in quantized.FORMATS
+                 and quantized.interleaves(int(file.tensors[name].shape[-1]))}
+  buffer = (np.empty(max(int(file.tensors[name].n_bytes) for name in interleaved), np.uint8)
+            if interleaved else None)
   for ours, (name, kind) in types.items():
     if kind in quantized.FORMATS:
-      whole_groups = int(file.tensors[name].shape[-1]) % quantized.GROUP == 0
-      rows = _stored_rows(file, config, name, buffer if whole_groups else None)
+      rows = _stored_rows(file, config, name, buffer if name in interleaved else None)
       kept[ours] = quantized.loaded(kind, rows)  # interleaved: a copy, not the buffer
     elif kind not in ('F32', 'F16', 'BF16'):
       widened[kind] = widened.get(kind, 0) + 1

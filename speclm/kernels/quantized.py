@@ -136,10 +136,15 @@ def deinterleave(rows: jax.Array, fmt: str) -> jax.Array:
   return jnp.concatenate(fields, axis=-1).reshape(rows.shape)
 
 
+def interleaves(num_rows: int) -> bool:
+  """Whether `loaded` interleaves a matrix of this many rows here."""
+  return interleaving() and num_rows % GROUP == 0
+
+
 def loaded(fmt: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
   """How a loader keeps a matrix read as stored in `fmt`: interleaved under `fmt + '_x16'`
-  where `interleaving()` and its row count allow, else as read."""
-  if interleaving() and rows.shape[0] % GROUP == 0:
+  (a copy) where `interleaves` its row count, else `rows` as read."""
+  if interleaves(rows.shape[0]):
     return fmt + SUFFIX, interleave(rows, fmt)
   return fmt, rows
 
