@@ -98,3 +98,26 @@ def test_heads_the_kernel_does_not_take_stay_with_xla():
   jaxpr = jax.make_jaxpr(packed.definition.extend)(packed.params, jnp.zeros((1, 1), jnp.int32),
                                                    cache)
   assert cpu_matmul.CACHE_ATTENTION_TARGET not in str(jaxpr)
+
+
+def test_compare_script_times_a_revision_against_the_working_tree(tmp_path):
+  """scripts/compare_cache_attention.py at its smallest: the kernel at HEAD and the working
+  tree's, compiled alone, interleaved, their outputs compared bit for bit."""
+  import os  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if shutil.which('git') is None or not os.path.exists(os.path.join(repo, '.git')):
+    pytest.skip('needs a git checkout')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(repo, 'scripts', 'compare_cache_attention.py'),
+       '--old=HEAD', '--visible=40', '--queries=1,4', '--calls=2'],
+      cwd=repo, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get('PYTHONPATH', '')))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line for line in proc.stdout.splitlines() if line.startswith('| 40 |')]
+  assert [row.split('|')[2].strip() for row in rows] == ['1', '4']
+  # HEAD's kernel and the working tree's give the same numbers (today they are one source;
+  # a kernel change that alters a query's sums shows up here as DIFFER).
+  assert all(row.rstrip(' |').endswith('identical') for row in rows), proc.stdout

@@ -43,7 +43,13 @@ using speclm::Lanes;
 using speclm::Load;
 using speclm::Store;
 
-inline Lanes Broadcast(float x) { return Lanes{} + x; }
+inline Lanes Broadcast(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Lanes>(_mm512_set1_ps(x));  // one broadcast, no add of zero
+#else
+  return Lanes{} + x;
+#endif
+}
 
 // a · b + c, fused where the CPU has AVX-512 (one rounding), else multiplied and added.
 inline Lanes MulAdd(Lanes a, Lanes b, Lanes c) {
@@ -107,6 +113,31 @@ inline Lanes Exp(Lanes x) {
   Lanes scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// acc[j] = the 16-lane partial products of a query row and key j of a block of 16 keys (`h`
+// floats apart): chunk 0's products, then each next chunk's multiply-added, for every order.
+// kSlotBySlot reads the keys in memory order, slot after slot, which the hardware prefetcher
+// follows (the block's first read, from memory); otherwise chunk by chunk across the slots, 16
+// independent chains of multiply-adds instead of one chain at a time (the block's later reads,
+// from the L1 cache, where the chain's latency is what costs). Both give the same numbers.
+template <bool kSlotBySlot>
+inline void SlotProducts(const float* q_row, const float* key, int64_t chunks, Lanes* acc) {
+  const int64_t h = chunks * kLanes;
+  if (kSlotBySlot) {
+    for (int j = 0; j < kLanes; ++j) {
+      acc[j] = Load(q_row) * Load(key + j * h);
+      for (int64_t c = 1; c < chunks; ++c)
+        acc[j] = MulAdd(Load(q_row + c * kLanes), Load(key + j * h + c * kLanes), acc[j]);
+    }
+    return;
+  }
+  const Lanes q0 = Load(q_row);
+  for (int j = 0; j < kLanes; ++j) acc[j] = q0 * Load(key + j * h);
+  for (int64_t c = 1; c < chunks; ++c) {
+    const Lanes qc = Load(q_row + c * kLanes);
+    for (int j = 0; j < kLanes; ++j) acc[j] = MulAdd(qc, Load(key + j * h + c * kLanes), acc[j]);
+  }
 }
 
 // 16 mask bytes as lanes of all ones (visible) or zeros.
@@ -242,6 +273,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
           std::memcpy(tile.data(), key, (slots - l0) * h_dim * sizeof(float));
           key = tile.data();
         }
+        bool first_read = true;  // the block's keys still in memory, not yet in the L1 cache
         for (int64_t k = 0; k < queries; ++k) {
           if (!sees[k]) continue;
           const bool* m = row_mask + k * slots + l0;
@@ -253,12 +285,11 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
           for (int64_t g = 0; g < groups; ++g) {
             const float* q_row = q_data + row_of(k, g) * h_dim;
             Lanes acc[kLanes];
-            for (int j = 0; j < kLanes; ++j) {
-              acc[j] = Load(q_row) * Load(key + j * h_dim);
-              for (int64_t c = 1; c < chunks; ++c)
-                acc[j] = MulAdd(Load(q_row + c * kLanes), Load(key + j * h_dim + c * kLanes),
-                                acc[j]);
-            }
+            if (first_read)
+              SlotProducts</*kSlotBySlot=*/true>(q_row, key, chunks, acc);
+            else
+              SlotProducts</*kSlotBySlot=*/false>(q_row, key, chunks, acc);
+            first_read = false;
             Lanes s = SumEach(acc) * scale;
             if (cap > 0.0f)
               for (int j = 0; j < kLanes; ++j) s[j] = cap * std::tanh(s[j] / cap);
