@@ -6,11 +6,18 @@ most time per target call, e.g. the matrix products ("dot", "ynn_fusion"), copie
 inserted for layouts ("copy_bitcast_fusion"), reductions ("iota_reduce_fusion" is an argmax).
 Map a name to its HLO with `XLA_FLAGS=--xla_dump_to=DIR` (the `*after_optimizations.txt`).
 
+With `--by_part` it also sums the operations inside the decode loop's `while` body (the rounds
+or steps, not the prefill) by the part of the program they come from, read from the HLO's
+op names (`speclm.analysis.profile_parts`): the target's layers' attention and MLPs, its head,
+the draft's parts, and the loop's own operations. It dumps the compiled HLO to a temporary
+directory to map the trace's operations to those names.
+
   pip install -e '.[profile]'
   python scripts/profile_decode.py --mode=speculative --max_new_tokens=64
   python scripts/profile_decode.py --mode=tree --tree_paths='0 1 0.0' --lookup_min_ngram=2
   python scripts/profile_decode.py --mode=tree --dynamic_tree=8,4,3,2 --lookup_min_ngram=2
   python scripts/profile_decode.py --mode=baseline --quantized --max_new_tokens=128
+  python scripts/profile_decode.py --mode=speculative --gamma=3 --by_part  # target, draft, loop
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from absl import flags
 import speclm
 from speclm import adaptive
 from speclm import token_trees
+from speclm.analysis import profile_parts
 from speclm.data import builtin_prompts
 from speclm.models import llama
 from speclm.models import lookup
@@ -68,19 +76,29 @@ _TOP = flags.DEFINE_integer('top', 20, 'Operations listed.')
 _TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'Keep the trace here (default: temporary).')
 _CPU_KERNELS = flags.DEFINE_bool('cpu_kernels', True, 'Products through the packed CPU kernel'
                                  ' (llama.pack_for_cpu), as the demo and the benchmark run.')
+_BY_PART = flags.DEFINE_bool('by_part', False, 'Also sum the decode loop\'s operations by the'
+                             ' part of the program they come from (see the module docstring).')
+_PART_DEPTH = flags.DEFINE_integer('part_depth', 3, 'With --by_part: how many levels of the op'
+                                   ' name make a part (2: `LlamaModule/layers_*`; 3 adds'
+                                   ' `attention` or `mlp`).')
 _QUANTIZED = flags.DEFINE_bool('quantized', False, 'The target\'s matrices kept in the GGUF'
                                ' file\'s blocks (`smollm2_model.quantized`, as'
                                ' scripts/benchmark_quantized.py runs it) instead of float32.')
 
 
-def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
-  """Total microseconds and counts per operation name (numeric suffixes merged)."""
+def trace_events(trace_dir: str) -> list[dict]:
+  """The trace viewer's events of the trace written under `trace_dir`."""
   from xprof.convert import raw_to_tool_data  # pylint: disable=import-outside-toplevel
   files = glob.glob(os.path.join(trace_dir, '**', '*.xplane.pb'), recursive=True)
   if not files:
     raise FileNotFoundError(f'No trace written under {trace_dir}.')
   data, _ = raw_to_tool_data.xspace_to_tool_data(files, 'trace_viewer', {})
-  events = json.loads(data if isinstance(data, str) else data.decode())['traceEvents']
+  return json.loads(data if isinstance(data, str) else data.decode())['traceEvents']
+
+
+def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
+  """Total microseconds and counts per operation name (numeric suffixes merged)."""
+  events = trace_events(trace_dir)
   total, count = collections.Counter(), collections.Counter()
   for event in events:
     name = event.get('name', '')
@@ -111,6 +129,10 @@ def _tree() -> speclm.TreeShape | token_trees.DynamicTree:
 
 def main(argv):
   del argv
+  hlo_dir = None
+  if _BY_PART.value:  # before the first computation creates the backend, which reads the flags
+    hlo_dir = tempfile.mkdtemp(prefix='speclm_hlo_')
+    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} --xla_dump_to={hlo_dir}'
   target, tok = smollm2.load_model(quantized=_QUANTIZED.value), smollm2.load_tokenizer()
   draft = None
   if _MODE.value != 'baseline':
@@ -168,6 +190,13 @@ def main(argv):
   print(f'{"ms / call":>10} {"runs / call":>12}  operation')
   for name, micros in total.most_common(_TOP.value):
     print(f'{micros / 1e3 / calls:10.2f} {count[name] / calls:12.1f}  {name}')
+  if hlo_dir is not None:
+    parts, part_count = profile_parts.part_times(
+        trace_events(trace_dir), profile_parts.op_names(hlo_dir), _PART_DEPTH.value)
+    print(f'inside the loop, by part: {sum(parts.values()) / 1e3 / calls:.1f} ms per call')
+    print(f'{"ms / call":>10} {"runs / call":>12}  part')
+    for name, micros in parts.most_common(_TOP.value):
+      print(f'{micros / 1e3 / calls:10.2f} {part_count[name] / calls:12.1f}  {name}')
   print(f'trace: {trace_dir}')
   if result.stats.beta_count:
     print(f'α = {result.stats.alpha:.3f}')

@@ -13,6 +13,8 @@ policy) is `speclm.run.calibration`, which keeps its results in the records defi
   report        Table-4-shaped predicted-vs-measured rows, Table 1 as markdown, model specs
   job_metrics   a job's metrics.json and summary table
   benchmarking  the interleaved timing harness the benchmarks and the calibration share
+  profile_parts a profiler trace's decode-loop operations by part of the program (the
+                target's layers, its head, the draft, the loop), for scripts/profile_decode.py
   figures       PNG figures (needs matplotlib; import `speclm.analysis.figures` explicitly)
 
 Command line: `python -m speclm.analysis --help` (its alpha, cost and report subcommands
