@@ -77,8 +77,10 @@ def test_compare_job_reports_everything(tmp_path):
   assert 0.0 <= metrics['alpha'] <= 1.0
   assert metrics['tokens_per_target_call'] >= 1.0
   assert metrics['mode'] == 'compare' and metrics['gamma'] == 3
+  # Identical outputs, the same tokens: the ratio of rates is the ratio of decode times.
   assert metrics['speedup'] == pytest.approx(metrics['baseline']['decode_time_s']
                                              / metrics['speculative']['decode_time_s'])
+  assert metrics['time_ratio'] == pytest.approx(metrics['speedup'])
   assert metrics['c'] is None and metrics['predicted_speedup_theorem_3_8'] is None
   assert any('c was not measured' in note for note in metrics['notes'])
   assert 'bleu' in metrics['speculative'] and 'rougeLsum' in metrics['baseline']

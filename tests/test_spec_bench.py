@@ -247,6 +247,15 @@ def test_by_category_against_hand_computed_numbers():
   assert 'by category' in text
   math_line = next(line for line in text.splitlines() if line.startswith('math '))
   assert math_line.split() == ['math', '1', '2.00', '4.00', '0.250', '10.0', '20.0']
+  # The headline speedup is the overall row's ratio of rates, the time ratio kept beside it,
+  # and the summary and notes say why the two differ.
+  assert metrics['speedup'] == pytest.approx(overall['speedup'])
+  assert metrics['time_ratio'] == pytest.approx(9.0 / 4.0)
+  headline = next(line for line in text.splitlines() if line.startswith('measured speedup'))
+  assert headline.split()[2] == f"{(70 / 4.0) / (60 / 9.0):.2f}"
+  assert 'the methods made different tokens' in headline
+  assert any('made 60 (baseline) and 70 (speculative) tokens' in note and '2.25' in note
+             for note in metrics['notes'])
 
 
 def test_a_dataset_without_categories_has_no_table():

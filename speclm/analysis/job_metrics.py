@@ -205,11 +205,24 @@ def _add_speculative_summary(metrics: dict[str, Any], decoded: list[dict[str, An
 
 def _add_comparison(metrics: dict[str, Any], decoded: list[dict[str, Any]],
                     sampling: sampling_lib.SamplingConfig, notes: list[str]) -> None:
-  """Compare mode: the measured speedup (baseline time / speculative time) and the rate of
-  identical outputs (1.0 at temperature 0)."""
+  """Compare mode: the measured speedup and the rate of identical outputs (1.0 at temperature
+  0).
+
+  The speedup is the ratio of the methods' rates, speculative tokens/s over baseline tokens/s,
+  as Spec-Bench computes it. When both made the same tokens (always at temperature 0, where the
+  outputs are identical) that is the ratio of decode times, also kept as `time_ratio`. At
+  temperature > 0 the sampled replies differ in length, and a ratio of times would count a
+  method that happened to write shorter replies as faster.
+  """
   base, spec = metrics['baseline'], metrics['speculative']
-  metrics['speedup'] = (base['decode_time_s'] / spec['decode_time_s']
-                        if spec['decode_time_s'] > 0 else None)
+  metrics['time_ratio'] = (base['decode_time_s'] / spec['decode_time_s']
+                           if spec['decode_time_s'] > 0 else None)
+  metrics['speedup'] = (spec['tokens_per_s'] / base['tokens_per_s']
+                        if spec['tokens_per_s'] and base['tokens_per_s'] else None)
+  if base['tokens'] != spec['tokens'] and metrics['time_ratio'] is not None:
+    notes.append(f"The methods made {base['tokens']} (baseline) and {spec['tokens']}"
+                 f" (speculative) tokens, so the speedup is the ratio of their tokens/s; the ratio"
+                 f" of decode times is {metrics['time_ratio']:.2f}.")
   metrics['identical_output_rate'] = (
       sum(1 for r in decoded if r['identical']) / len(decoded) if decoded else None)
   if not sampling.is_greedy:
@@ -313,7 +326,9 @@ def summary(metrics: dict[str, Any]) -> str:
                                 f" {policy['calibration']['rows']} rows at start-up)"))
   if 'speedup' in metrics:
     sampled = (metrics.get('sampling') or {}).get('temperature', 0.0) > 0
-    rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')),
+    rows += [('measured speedup', _fmt(metrics['speedup'], '.2f')
+              + ('' if metrics['baseline']['tokens'] == metrics['speculative']['tokens']
+                 else '  (tokens/s over tokens/s: the methods made different tokens)')),
              ('identical outputs', SAMPLED_OUTPUTS if sampled
               else _fmt(metrics['identical_output_rate'], '.1%'))]
   if metrics.get('num_bad_logits'):
