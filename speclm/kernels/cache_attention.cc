@@ -115,6 +115,16 @@ inline Lanes Exp(Lanes x) {
   return p * scale;
 }
 
+// Whether a block's later score reads go chunk by chunk (`SlotProducts<false>`). Only where
+// MulAdd is an explicit fused multiply-add: elsewhere it is a · b + c, which the compiler may
+// contract into fused operations differently in the two loop orders, and a query's numbers
+// must not depend on which order its call took.
+#if defined(__AVX512F__)
+constexpr bool kChunkMajorScores = true;
+#else
+constexpr bool kChunkMajorScores = false;
+#endif
+
 // acc[j] = the 16-lane partial products of a query row and key j of a block of 16 keys (`h`
 // floats apart): chunk 0's products, then each next chunk's multiply-added, for every order.
 // kSlotBySlot reads the keys in memory order, slot after slot, which the hardware prefetcher
@@ -285,7 +295,7 @@ ffi::Error AttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
           for (int64_t g = 0; g < groups; ++g) {
             const float* q_row = q_data + row_of(k, g) * h_dim;
             Lanes acc[kLanes];
-            if (first_read)
+            if (first_read || !kChunkMajorScores)
               SlotProducts</*kSlotBySlot=*/true>(q_row, key, chunks, acc);
             else
               SlotProducts</*kSlotBySlot=*/false>(q_row, key, chunks, acc);
