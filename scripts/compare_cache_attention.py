@@ -58,10 +58,8 @@ def _sources(revision: str | None, directory: str) -> str:
 def _register(source: str, name: str) -> None:
   """Compiles `source` alone, as `cpu_matmul` compiles the kernels, and registers it."""
   library = os.path.join(os.path.dirname(source), 'kernel.so')
-  compiler = os.environ.get('CXX') or 'c++'
-  result = subprocess.run([compiler, '-O3', '-march=native', '-fopenmp-simd', '-std=c++17',
-                           '-shared', '-fPIC', f'-I{jax.ffi.include_dir()}', source, '-o',
-                           library], capture_output=True, text=True, check=False)
+  command = cpu_matmul.compile_command(cpu_matmul.compiler() or 'c++', [source], library)
+  result = subprocess.run(command, capture_output=True, text=True, check=False)
   if result.returncode != 0:
     raise SystemExit(f'compiling {source} failed:\n{result.stderr[-2000:]}')
   function = ctypes.CDLL(library).CacheAttention

@@ -107,7 +107,15 @@ def _cache_dir() -> str:
       os.path.expanduser('~'), '.cache', 'speclm', 'kernels')
 
 
-def _compiler() -> str | None:
+def compile_command(compiler: str, sources, out: str) -> list[str]:
+  """The command that compiles kernel `sources` into the shared library `out` (also used by
+  scripts/compare_cache_attention.py, so a compared kernel is built as the package builds it)."""
+  return [compiler, '-O3', '-march=native', '-fopenmp-simd', '-std=c++17', '-shared', '-fPIC',
+          f'-I{jax.ffi.include_dir()}', *sources, '-o', out]
+
+
+def compiler() -> str | None:
+  """The C++ compiler the kernels are built with: $CXX, else c++ or g++ on the PATH."""
   return os.environ.get('CXX') or shutil.which('c++') or shutil.which('g++')
 
 
@@ -218,20 +226,19 @@ def _locked(directory: str):
 def _compile(path: str) -> None:
   """Compiles the kernel to `path` and records its SHA-256 beside it (both renamed into place,
   so no reader sees a half-written file)."""
-  compiler = _compiler()
-  if compiler is None:
+  cxx = compiler()
+  if cxx is None:
     raise RuntimeError('no C++ compiler found (set CXX, or install g++)')
   directory = os.path.dirname(path)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     out = os.path.join(tmp, 'kernel.so')
-    command = [compiler, '-O3', '-march=native', '-fopenmp-simd', '-std=c++17', '-shared', '-fPIC',
-               f'-I{jax.ffi.include_dir()}', *_SOURCES, '-o', out]
+    command = compile_command(cxx, _SOURCES, out)
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not os.path.isfile(out):
       lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
       detail = ' | '.join(lines[-6:])[-1000:] or 'no output'
       raise RuntimeError(f'compiling {" and ".join(map(os.path.basename, _SOURCES))} with'
-                         f' {compiler} failed (exit'
+                         f' {cxx} failed (exit'
                          f' {result.returncode}): {detail}')
     os.chmod(out, 0o755)  # whatever the umask: only we may write it
     hash_tmp = os.path.join(tmp, 'kernel.so.sha256')
