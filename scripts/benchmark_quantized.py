@@ -21,9 +21,10 @@ prefill included in each time, every case once per round in turn (medians of the
   * speclm baseline, float32: the file dequantized, products through the packed float kernel
     (`smollm2_model`, the demo's target);
   * speclm baseline, quantized: the matrices kept as stored (`smollm2_model.quantized`);
-  * speclm speculative with each target, the trained draft behind prompt lookup (the demo's),
-    fixed γ: `--gamma` (3) with float32 weights, `--quantized_gamma` (1) with the stored
-    blocks, whose extra verified rows cost more;
+  * speclm speculative with each target, a trained draft behind prompt lookup (`--draft`: the
+    demo's EAGLE-3 draft, which reads the target's own features, or the token-only 2-layer
+    draft), fixed γ: `--gamma` (3) with float32 weights, `--quantized_gamma` (1) with the
+    stored blocks, whose extra verified rows cost more;
   * llama.cpp plain decoding and llama.cpp with its prompt-lookup speculation
     (`LlamaPromptLookupDecoding`), `--threads` threads, when `llama_cpp` is importable
     (`pip install llama-cpp-python`, which builds llama.cpp from source).
@@ -64,6 +65,9 @@ _QUANTIZED_GAMMA = flags.DEFINE_integer(
     'quantized_gamma', 1, 'Draft tokens per speculative round with the quantized target: its'
     ' products are bound by arithmetic, so each verified row costs more than with float32'
     ' weights (r of 2 rows 1.03, of 4 rows 1.9-2.2 on an AMD EPYC; docs/performance.md).')
+_DRAFT = flags.DEFINE_enum('draft', 'eagle', ['eagle', 'two_layer'],
+                           "The trained draft behind prompt lookup: the EAGLE-3 draft (the demo's)"
+                           ' or the token-only 2-layer draft.')
 _R_REPEATS = flags.DEFINE_integer('r_repeats', 5, 'Timed samples of each call r(γ) divides'
                                    ' (`calibration.time_extend`); the median is kept.')
 _R_STEPS = flags.DEFINE_integer('r_steps', 20, 'Calls per timed sample of r(γ).')
@@ -125,7 +129,9 @@ def main(argv):
 
   models = {'float32': providers.smollm2_model(),
             'quantized': providers.smollm2_model(quantized=True)}
-  draft = providers.smollm2_draft_model(lookup_min_ngram=2)
+  load_draft = (providers.smollm2_eagle_draft_model if _DRAFT.value == 'eagle'
+                else providers.smollm2_draft_model)
+  draft = load_draft(lookup_min_ngram=2)
   held = {name: memory.held_bytes(m.params) for name, m in models.items()}
   cases = []
   for name, target in models.items():
@@ -152,6 +158,10 @@ def main(argv):
   built = llama_cpp.llama_print_system_info().decode().strip() if llama_cpp else None
   report = render(cases, held, r_of, bandwidths, models, time.time() - started, built)
   benchmarking.write_report(report, _OUTPUT.value)
+
+
+_DRAFT_NAMES = {'eagle': 'the EAGLE-3 draft (the demo\'s)',
+                'two_layer': 'the token-only 2-layer draft'}
 
 
 def _spec_name(target_name: str) -> str:
@@ -208,7 +218,8 @@ def render(cases, held, r_of, bandwidths, models, seconds, llama_cpp_build=None)
   alphas = ', '.join(f'{name} {by_name[_spec_name(name)].pooled_alpha():.3f}'
                      for name in models)
   lines += ['', f'Memory bandwidth probed per round: median {bandwidth / 1e9:.1f} GB/s.'
-            f' Speculative α: {alphas}.']
+            f' Speculative decoding drafts with {_DRAFT_NAMES[_DRAFT.value]} behind prompt'
+            f' lookup (`--draft={_DRAFT.value}`); its α: {alphas}.']
   if plain is not None:
     agree = [float(np.mean(a == b)) for a, b in zip(by_name['speclm baseline, quantized'].outputs,
                                                     plain.outputs)]

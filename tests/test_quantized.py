@@ -283,4 +283,5 @@ def test_benchmark_script_smoke_run_writes_its_report(tmp_path):
     assert f'| {case} |' in report
   assert '| quantized | 96.6 MB | 96.6 MB |' in report
   assert report.count('| True |') == 2  # greedy speculative output = baseline, both targets
+  assert "the EAGLE-3 draft (the demo's) behind prompt lookup (`--draft=eagle`)" in report
   assert 'llama.cpp: not measured' in report and '| llama.cpp plain |' not in report

@@ -94,9 +94,12 @@ def _quantized_symbols():
 
 # The decode steps' attention over the stacked KV cache (`speclm.kernels.cache_attention`).
 CACHE_ATTENTION_TARGET = 'speclm_cache_attention'
+# A prompt's causal attention among its own tokens (`speclm.kernels.prompt_attention`).
+PROMPT_ATTENTION_TARGET = 'speclm_prompt_attention'
 
 _SOURCES = tuple(os.path.join(os.path.dirname(__file__), name)
-                 for name in ('skinny_matmul.cc', 'quantized_matmul.cc', 'cache_attention.cc'))
+                 for name in ('skinny_matmul.cc', 'quantized_matmul.cc', 'cache_attention.cc',
+                              'prompt_attention.cc'))
 _HEADERS = tuple(os.path.join(os.path.dirname(__file__), name)  # part of the key
                  for name in ('parallel_tasks.h', 'lanes.h', 'zero_rows.h',
                               'integer_blocks.h'))
@@ -290,7 +293,8 @@ def available() -> bool:
     path = build()
     library = ctypes.CDLL(path)
     targets = (list(_TARGETS.values()) + list(_quantized_symbols())
-               + [(CACHE_ATTENTION_TARGET, 'CacheAttention')])
+               + [(CACHE_ATTENTION_TARGET, 'CacheAttention'),
+                  (PROMPT_ATTENTION_TARGET, 'PromptAttention')])
     functions = [(name, getattr(library, symbol)) for name, symbol in targets]
     for name, function in functions:
       jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(function), platform='cpu')

@@ -45,7 +45,7 @@ def attend(q, keys, values, visible, *, scale: float, cap: float | None, dtype):
 
 
 def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window: int | None,
-                     dtype):
+                     dtype, cpu_kernel: bool = False):
   """Causal attention of K prompt tokens among themselves, the cache empty before them: q
   `[B, K, Nkv, G, H]`, keys and values `[B, Nkv, K, H]` -> `[B, K, Nkv, G, H]`.
 
@@ -58,7 +58,15 @@ def prompt_attention(q, keys, values, *, scale: float, cap: float | None, window
   the query tile is wholly visible, so only the diagonal tile (and, with a window, every tile)
   is masked. Masked keys weigh exactly zero either way; the sums run in another order, and the
   weights are not rounded to `dtype` before the product with the values. `scale`, `cap`,
-  `dtype`: as for `attend`; `window`: a sliding window's length, or None."""
+  `dtype`: as for `attend`; `window`: a sliding window's length, or None.
+
+  `cpu_kernel`: the same loop as one kernel call (`speclm.kernels.prompt_attention`, for
+  models on the CPU kernels) where that kernel serves this attention; these tiles elsewhere.
+  """
+  if cpu_kernel:
+    from speclm.kernels import prompt_attention as kernel  # pylint: disable=g-import-not-at-top
+    if kernel.serves(q.shape[-1], dtype, cap=cap, window=window):
+      return kernel.attend(q, keys, values, scale=scale).astype(dtype)
   batch, length, nkv, groups, h = q.shape
   tiles = -(-length // PROMPT_BLOCK)
   tile = -(-length // tiles)  # tiles of equal size, padding fewer than `tiles` positions

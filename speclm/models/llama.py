@@ -143,7 +143,7 @@ class Kernel(nn.Module):
 def _on_cpu_kernels(attention_params) -> bool:
   """Whether an `Attention`'s products (given its parameters) go through the CPU kernels
   (`pack_for_cpu`, GGUF blocks): its decode steps then attend through
-  `speclm.kernels.cache_attention` too."""
+  `speclm.kernels.cache_attention` too, and prompts `speclm.kernels.prompt_attention`."""
   from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
   query = attention_params.get('query', {})
   return 'packed' in query or quantized.format_of(dict(query)) is not None
@@ -217,7 +217,7 @@ class Attention(nn.Module):
     `[B]` before x; `visible` `[B, K, L]` the slots each query attends to (None: causal, a
     chain); `key_positions` `[B, L]` the position held in each slot (None: the slot's index);
     `fresh`: the cache is empty before x, which then attends among its own K entries only
-    (`speclm.models.attention.prompt_attention`)."""
+    (`speclm.models.attention.prompt_attention`, by a kernel on the CPU kernels)."""
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
@@ -239,9 +239,11 @@ class Attention(nn.Module):
     q = q.reshape(q.shape[0], q.shape[1], nkv, n // nkv, h)
     window = c.sliding_window if c.is_sliding(self.layer) else None
     scale = (c.query_pre_attn_scalar or h) ** -0.5
+    on_kernels = _on_cpu_kernels(self.variables.get('params', {}))
     if fresh:  # a prompt into an empty cache: causal among its own K entries, in tiles
       out = attention.prompt_attention(q, new_keys, new_values, scale=scale,
-                                       cap=c.attn_logit_softcap, window=window, dtype=dt)
+                                       cap=c.attn_logit_softcap, window=window, dtype=dt,
+                                       cpu_kernel=on_kernels)
     else:
       if key_positions is None:
         key_positions = jnp.arange(keys.shape[3])[None, :]  # [1, L]: a chain, slot = position
@@ -252,8 +254,7 @@ class Attention(nn.Module):
         visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
       from speclm.kernels import cache_attention  # pylint: disable=import-outside-toplevel
       # As the products: decode steps and verification calls, not long prompts.
-      if (_on_cpu_kernels(self.variables.get('params', {})) and _kernel_serves(q, 3)
-          and cache_attention.serves(h, keys.dtype)):
+      if on_kernels and _kernel_serves(q, 3) and cache_attention.serves(h, keys.dtype):
         out = cache_attention.attend(q, keys, values, visible, layer=slot, scale=scale,
                                      cap=c.attn_logit_softcap)
       else:
