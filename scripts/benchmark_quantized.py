@@ -32,8 +32,9 @@ prefill included in each time, every case once per round in turn (medians of the
 Besides times, the report gives each speclm baseline's time per token against the memory
 bandwidth floor of the bytes it reads per step (probed each round), r(γ) of each target (one
 verification call of γ + 1 rows over one decode step, `speclm.run.calibration`'s
-`time_extend`), the weights' bytes as held, and whether greedy speculative output equals the
-baseline's for each target (it must).
+`verification_ratio`: the two calls timed in turn, the median of their ratios), the weights'
+bytes as held, and whether greedy speculative output equals the baseline's for each target
+(it must).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ _QUANTIZED_GAMMA = flags.DEFINE_integer(
 _DRAFT = flags.DEFINE_enum('draft', 'eagle', ['eagle', 'two_layer'],
                            "The trained draft behind prompt lookup: the EAGLE-3 draft (the demo's)"
                            ' or the token-only 2-layer draft.')
-_R_REPEATS = flags.DEFINE_integer('r_repeats', 5, 'Timed samples of each call r(γ) divides'
-                                   ' (`calibration.time_extend`); the median is kept.')
+_R_REPEATS = flags.DEFINE_integer('r_repeats', 5, 'Timed samples of the two calls r(γ) divides,'
+                                   ' in turn (`calibration.verification_ratio`); the median'
+                                   ' ratio is kept.')
 _R_STEPS = flags.DEFINE_integer('r_steps', 20, 'Calls per timed sample of r(γ).')
 _THREADS = flags.DEFINE_integer('threads', 2, "llama.cpp's threads (speclm uses XLA's pool).")
 _LLAMA_CPP = flags.DEFINE_bool('llama_cpp', True, 'Include llama.cpp when importable.')
@@ -152,8 +154,7 @@ def main(argv):
   r_of = {}  # r(γ): a verification call of γ + 1 tokens over one decode step
   timing = dict(context_length=128, repeats=_R_REPEATS.value, num_steps=_R_STEPS.value)
   for name, target in models.items():
-    one = costs.time_extend(target, num_new=1, **timing)
-    r_of[name] = costs.time_extend(target, num_new=_gamma(name) + 1, **timing) / one
+    r_of[name] = costs.verification_ratio(target, num_new=_gamma(name) + 1, **timing)
   bandwidths = benchmarking.run_rounds(cases, _ROUNDS.value)
   built = llama_cpp.llama_print_system_info().decode().strip() if llama_cpp else None
   report = render(cases, held, r_of, bandwidths, models, time.time() - started, built)

@@ -305,6 +305,12 @@ def test_costs_and_speedup_are_measured(llama_pair):
     assert 0 < seconds < 1.0
   assert costs.c == pytest.approx(costs.draft_step_seconds / costs.target_step_seconds)
   assert costs.r > 0 and costs.gamma == 3
+  # r alone (benchmark_quantized.py): the two calls in turn; one token over one token is ~1.
+  timing = dict(batch_size=2, context_length=8, num_steps=3, repeats=3)
+  assert calibration.verification_ratio(target, num_new=4, **timing) > 0
+  assert 0.3 < calibration.verification_ratio(target, num_new=1, **timing) < 3.0
+  with pytest.raises(ValueError, match='repeats'):
+    calibration.verification_ratio(target, num_new=4, repeats=0)
   speed = calibration.measure_speedup(target, draft, prompts, lengths, gamma=GAMMA,
                                       sampling=speclm.GREEDY, max_new_tokens=MAX_NEW,
                                       repeats=1)

@@ -32,6 +32,7 @@ from speclm.run.calibration.costs import measure_verify_costs
 from speclm.run.calibration.costs import round_cost_tokens
 from speclm.run.calibration.costs import time_extend
 from speclm.run.calibration.costs import time_tree_verifications
+from speclm.run.calibration.costs import verification_ratio
 from speclm.run.calibration.measurements import estimate_alpha
 from speclm.run.calibration.measurements import generate_reference
 from speclm.run.calibration.measurements import measure_speedup
@@ -46,5 +47,5 @@ __all__ = [
     'cost_cache_dir', 'costs', 'default_candidates', 'estimate_alpha', 'generate_reference',
     'measure_adaptive_gamma', 'measure_costs', 'measure_costs_cached', 'measure_round_costs',
     'measure_speedup', 'measure_verify_costs', 'measurements', 'round_cost_tokens', 'run_report',
-    'time_extend', 'time_tree_verifications', 'tree_policy',
+    'time_extend', 'time_tree_verifications', 'tree_policy', 'verification_ratio',
 ]

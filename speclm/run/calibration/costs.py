@@ -222,6 +222,26 @@ def time_tree_verifications(target: protocol.Model, trees, *, batch_size: int = 
   runners = [_extend_runner(target, num_new=1, **common)] + [
       _extend_runner(target, num_new=len(tree.parents), tree_parents=tree.parents, **common)
       for tree in trees]
+  return _ratios_to_first(runners, repeats)
+
+
+def verification_ratio(target: protocol.Model, *, num_new: int, batch_size: int = 1,
+                       context_length: int = 64, num_steps: int = 20, repeats: int = 5,
+                       min_sample_seconds: float = 0.05, seed: int = 0) -> float:
+  """r of a chain: one `extend` call on `num_new` tokens over one 1-token call, the two timed
+  in turn within each repeat and r the median of the per-repeat ratios (as
+  `time_tree_verifications`), so that a slow spell shifts both alike. Arguments as there."""
+  if repeats < 1:
+    raise ValueError(f'repeats must be >= 1, got {repeats}.')
+  common = dict(batch_size=batch_size, context_length=context_length, num_steps=num_steps,
+                min_sample_seconds=min_sample_seconds, seed=seed)
+  runners = [_extend_runner(target, num_new=k, **common) for k in (1, num_new)]
+  return _ratios_to_first(runners, repeats)[0]
+
+
+def _ratios_to_first(runners, repeats: int) -> list[float]:
+  """Each runner after the first: the median over `repeats` interleaved rounds of its time
+  per call over the first runner's in the same round."""
   seconds = benchmarking.interleaved_rounds([lambda _, r=r: r.run() for r in runners], repeats)
   per_call = [[s / r.num_steps for s in samples] for samples, r in zip(seconds, runners)]
   return [float(np.median([t / o for t, o in zip(samples, per_call[0])]))
