@@ -45,6 +45,7 @@ using speclm::Lanes;
 using speclm::Load;
 using speclm::MulAdd;
 using speclm::Store;
+using speclm::SumLanes;
 
 // The 16 lanes of acc[0…15] each summed, as one vector (lane i: the sum of acc[i]): four
 // rounds of pairing halves, the same tree for every vector.
@@ -69,12 +70,6 @@ inline Lanes SumEach(const Lanes* acc) {
                                  28, 30) +
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
                                  29, 31);
-}
-
-inline float SumLanes(Lanes v) {
-  float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += v[i];
-  return total;
 }
 
 // Whether a block's later score reads go chunk by chunk (`SlotProducts<false>`). Only where

@@ -1,5 +1,5 @@
 // Sixteen float32 lanes as one value, shared by speclm's CPU kernels, with the few operations
-// on them that more than one kernel needs (a broadcast, a multiply-add, e^x).
+// on them that more than one kernel needs (a sum, a broadcast, a multiply-add, e^x).
 //
 // A GCC/Clang vector extension: the compiler maps it to one AVX-512 register, two AVX2 ones,
 // or four SSE ones; each lane's arithmetic is the same. Loads and stores go through memcpy
@@ -28,6 +28,13 @@ inline Lanes Load(const float* p) {
 }
 
 inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The lanes' sum, first to last (one fixed order, so the same lanes give the same bits).
+inline float SumLanes(Lanes v) {
+  float total = 0.0f;
+  for (int i = 0; i < 16; ++i) total += v[i];
+  return total;
+}
 
 inline Lanes Broadcast(float x) {
 #if defined(__AVX512F__)

@@ -43,6 +43,7 @@ using speclm::Lanes;
 using speclm::Load;
 using speclm::MulAdd;
 using speclm::Store;
+using speclm::SumLanes;
 
 inline float MaxLane(Lanes v) {
 #if defined(__AVX512F__)
@@ -52,12 +53,6 @@ inline float MaxLane(Lanes v) {
   for (int j = 1; j < kLanes; ++j) most = v[j] > most ? v[j] : most;
   return most;
 #endif
-}
-
-inline float SumLanes(Lanes v) {
-  float total = 0.0f;
-  for (int j = 0; j < kLanes; ++j) total += v[j];
-  return total;
 }
 
 // The transposed keys of one (row, key-value head): block i's h-th vector at
