@@ -32,7 +32,10 @@ MT-bench with its two turns, translation, summarization, QA, math, RAG; its
 `--per_category` conversations of each task, every turn, batch 1, at `--temperatures`, every
 method side by side (scripts/spec_bench_methods.py): the baseline, fixed γ, adaptive γ, the
 job's tree policy, the best static tree, prompt lookup alone and (--hf) Hugging Face's
-assisted generation; a later turn follows the method's own reply. It prints the table per task
+assisted generation; a later turn follows the method's own reply. The speculative methods draft
+with `--spec_bench_draft`: the EAGLE-3 draft of the Spec-Bench job (`runs/spec_bench.gin`, the
+default) or the token-only 2-layer draft (the one Hugging Face's assisted generation can run,
+exported, whichever is chosen), behind prompt lookup. It prints the table per task
 and writes it as the report's "Spec-Bench" section, keeping the rest of the report (a demo run
 keeps that section too). The questions are an evaluation set: nothing in speclm was trained or
 tuned on them.
@@ -60,6 +63,7 @@ from absl import flags
 
 import speclm
 from speclm import sampling as sampling_lib
+from speclm import protocol
 from speclm import speculative
 from speclm.analysis import benchmarking
 from speclm.analysis import theory
@@ -119,6 +123,10 @@ _WORKLOAD = flags.DEFINE_enum('workload', 'demo', ['demo', 'spec_bench'],
 _SPEC_BENCH_FILE = flags.DEFINE_string(
     'spec_bench_file', None, 'Spec-Bench\'s question.jsonl (from the repository'
     ' hemingkx/Spec-Bench, data/spec_bench/question.jsonl; not shipped with speclm).')
+_SPEC_BENCH_DRAFT = flags.DEFINE_enum(
+    'spec_bench_draft', 'eagle', ['eagle', 'two_layer'],
+    'Spec-Bench workload: the draft of the speculative methods, the EAGLE-3 draft that reads the'
+    ' target\'s features (as runs/spec_bench.gin) or the token-only 2-layer draft.')
 _PER_CATEGORY = flags.DEFINE_integer('per_category', 1,
                                      'Spec-Bench conversations taken from each task.')
 _TEMPERATURES = flags.DEFINE_list('temperatures', ['0'],
@@ -394,13 +402,18 @@ def _policy_choice(target, draft, vocabulary, turns, temperature: float):
   return choice
 
 
+_SPEC_BENCH_DRAFT_NAMES = {
+    'eagle': 'the shipped EAGLE-3 draft (as runs/spec_bench.gin)',
+    'two_layer': 'the shipped token-only 2-layer draft'}
+
+
 def spec_bench_method_list(models: dict, vocabulary, turns, temperature: float, rule):
   """The methods side by side: the baseline, fixed γ, adaptive γ (`rule`; None: left out),
   the tree policy's choice, the best static tree, prompt lookup alone, HF assisted (--hf).
 
   Args:
-    models: 'target', 'draft' (the trained draft behind prompt lookup, as the demo's),
-      'plain_target', 'plain_draft' (XLA's products, for Hugging Face's export).
+    models: 'target', 'draft' (the speculative methods' draft behind prompt lookup,
+      --spec_bench_draft), 'plain_target', 'plain_draft' (XLA's products, for Hugging Face's export).
   """
   target, draft = models['target'], models['draft']
   method = functools.partial(spec_bench_methods.speclm_method, max_new_tokens=_MAX_NEW.value)
@@ -458,7 +471,8 @@ def run_spec_bench(models: dict, tok, turns: list[conversations.Turn], started: 
   settings = (f'settings: batch 1, {_MAX_NEW.value} new tokens per turn (end token ignored),'
               f' γ = {_GAMMA.value}, adaptive γ_max {_MAX_GAMMA.value}, the first'
               f' {_PER_CATEGORY.value} conversation(s) of each task ({len(turns)} turns; a later'
-              ' turn after the method\'s own reply); draft: the shipped draft' + (
+              ' turn after the method\'s own reply); draft: '
+              + _SPEC_BENCH_DRAFT_NAMES[_SPEC_BENCH_DRAFT.value] + (
                   f' behind prompt lookup (min n-gram {_LOOKUP_MIN_NGRAM.value})'
                   if _LOOKUP_MIN_NGRAM.value else ' alone') + _cut())
   command = shlex.join(['python', 'scripts/benchmark.py', *sys.argv[1:]])
@@ -550,6 +564,15 @@ def main(argv):
     wrap = functools.partial(lookup.lookup_first, min_ngram=_LOOKUP_MIN_NGRAM.value)
     draft, xla_draft = wrap(draft_alone), wrap(plain_draft)
   if _WORKLOAD.value == 'spec_bench':
+    if _SPEC_BENCH_DRAFT.value == 'eagle':
+      draft = smollm2_draft.load_eagle(target, cpu_kernels=_CPU_KERNELS.value)
+      try:  # a target cut by --target_layers may lack the layers the draft reads
+        protocol.target_for_feature_draft(target, draft)
+      except ValueError as e:
+        raise app.UsageError(f'{e} (--spec_bench_draft=eagle reads them: raise --target_layers'
+                             ' or use --spec_bench_draft=two_layer)') from None
+      if _LOOKUP_MIN_NGRAM.value:
+        draft = wrap(draft)
     run_spec_bench(dict(target=target, draft=draft, plain_target=plain_target,
                         plain_draft=plain_draft), tok, turns, started)
     return

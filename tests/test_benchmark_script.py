@@ -158,8 +158,26 @@ def test_spec_bench_workload_refuses_a_missing_or_bad_file(tmp_path, content, ma
   assert 'loading SmolLM2' not in done.stdout
 
 
+def test_spec_bench_eagle_draft_refuses_a_target_without_its_feature_layers(tmp_path):
+  """The EAGLE-3 draft (the default --spec_bench_draft) reads target layers 2, 15 and 27: a
+  target cut to one layer is a usage error naming both ways out, before any decode."""
+  questions = tmp_path / 'question.jsonl'
+  _write_questions(questions)
+  done = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--workload=spec_bench',
+       f'--spec_bench_file={questions}', '--target_layers=1', '--nohf',
+       f'--output={tmp_path / "benchmarks.md"}'],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'), capture_output=True, text=True,
+      timeout=300)
+  assert done.returncode != 0
+  assert re.search(r'Feature layers \(2, 15, 27\).*--spec_bench_draft=two_layer', done.stderr), (
+      done.stderr[-2000:])
+  assert not (tmp_path / 'benchmarks.md').exists()
+
+
 def test_spec_bench_smoke_run_puts_every_method_side_by_side(tmp_path):
-  """--workload=spec_bench end to end on a tiny question file and a 1-layer target: every
+  """--workload=spec_bench end to end on a tiny question file and a 1-layer target (the
+  token-only draft: the EAGLE-3 draft reads deeper layers; HF assisted runs it too): every
   method's rows per task and overall, greedy outputs of the exact methods = the baseline's,
   the section written into an existing report."""
   pytest.importorskip('transformers')
@@ -169,6 +187,7 @@ def test_spec_bench_smoke_run_puts_every_method_side_by_side(tmp_path):
   done = subprocess.run(
       [sys.executable, os.path.join(REPO, 'scripts', 'benchmark.py'), '--workload=spec_bench',
        f'--spec_bench_file={questions}', '--per_category=1', '--max_new_tokens=6',
+       '--spec_bench_draft=two_layer',
        '--policy_rows=1',  # the policy's calibration at one prompt width: one compile each
        '--target_layers=1', '--max_gamma=2', '--cost_tokens=4', '--cost_repeats=1',
        f'--output={report}'],
