@@ -413,7 +413,8 @@ def spec_bench_method_list(models: dict, vocabulary, turns, temperature: float, 
 
   Args:
     models: 'target', 'draft' (the speculative methods' draft behind prompt lookup,
-      --spec_bench_draft), 'plain_target', 'plain_draft' (XLA's products, for Hugging Face's export).
+      --spec_bench_draft), 'plain_target', 'plain_draft' (XLA's products, for Hugging Face's
+      export).
   """
   target, draft = models['target'], models['draft']
   method = functools.partial(spec_bench_methods.speclm_method, max_new_tokens=_MAX_NEW.value)
