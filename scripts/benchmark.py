@@ -32,13 +32,13 @@ MT-bench with its two turns, translation, summarization, QA, math, RAG; its
 `--per_category` conversations of each task, every turn, batch 1, at `--temperatures`, every
 method side by side (scripts/spec_bench_methods.py): the baseline, fixed γ, adaptive γ, the
 job's tree policy, the best static tree, prompt lookup alone and (--hf) Hugging Face's
-assisted generation; a later turn follows the method's own reply. The speculative methods draft
-with `--spec_bench_draft`: the EAGLE-3 draft of the Spec-Bench job (`runs/spec_bench.gin`, the
-default) or the token-only 2-layer draft (the one Hugging Face's assisted generation can run,
-exported, whichever is chosen), behind prompt lookup. It prints the table per task
-and writes it as the report's "Spec-Bench" section, keeping the rest of the report (a demo run
-keeps that section too). The questions are an evaluation set: nothing in speclm was trained or
-tuned on them.
+assisted generation; a later turn follows the method's own reply. Our speculative methods
+draft with `--spec_bench_draft` behind prompt lookup: the EAGLE-3 draft of the Spec-Bench job
+(`runs/spec_bench.gin`, the default) or the token-only 2-layer draft. Hugging Face's assisted
+generation always runs the 2-layer draft (it cannot read the target's features). It prints the
+table per task and writes it as the report's "Spec-Bench" section, keeping the rest of the
+report (a demo run keeps that section too). The questions are an evaluation set: nothing in
+speclm was trained or tuned on them.
 
   python scripts/benchmark.py --workload=spec_bench --spec_bench_file=question.jsonl \
       --per_category=4
