@@ -12,30 +12,16 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
 from speclm.kernels import quantized  # pylint: disable=g-import-not-at-top
 from speclm.models import llama  # pylint: disable=g-import-not-at-top
+from speclm.testing.gguf_blocks import random_rows  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.skipif(not quantized.available(), reason='CPU kernel unavailable')
 
 Q = gguf.GGMLQuantizationType
-# Byte offsets of each block's float16 scales (d, and m or dmin where there is one).
-HALVES = {'Q8_0': (0,), 'Q4_0': (0,), 'Q4_1': (0, 2), 'Q4_K': (0, 2), 'Q5_K': (0, 2),
-          'Q6_K': (208,)}
 # 1-5 rows take the widened weights in registers, more rows from a widened copy (5 at a time);
 # the integer route takes rows 5 at a time: every count must give a row the same numbers.
 ROWS = (1, 2, 5, 6, 17, 64)
 # The formats that take integer products where the CPU has AVX512-VNNI (integer_blocks.h).
 INTEGER_FORMATS = tuple(sorted(quantized.FORMATS))
-
-
-def random_rows(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-  """Random blocks of `fmt` for an `[n, k]` matrix (uint8 `[n, row_bytes]`) whose scales are
-  finite float16 values of about 0.01 (the other bytes are any)."""
-  rng = np.random.default_rng(seed)
-  weights, size = quantized.FORMATS[fmt]
-  raw = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
-  for offset in HALVES[fmt]:
-    scales = (rng.standard_normal((n, k // weights)) * 0.01).astype(np.float16)
-    raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // weights, 2)
-  return raw.reshape(n, -1)
 
 
 @pytest.mark.parametrize('fmt', sorted(quantized.FORMATS))

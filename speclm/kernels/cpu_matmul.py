@@ -75,7 +75,8 @@ QUANTIZED_FORMATS = {'Q8_0': (32, 34), 'Q4_0': (32, 18), 'Q4_1': (32, 20),
 
 
 def quantized_target(kind: str, fmt: str) -> str:
-  """The registered name of `quantized_matmul.cc`'s 'matmul' or 'dequantize' for `fmt`."""
+  """The registered name of `quantized_matmul.cc`'s 'matmul', 'matmul_many' (interleaved
+  formats only) or 'dequantize' for `fmt`."""
   return f'{TARGET_NAME}_quantized_{kind}_{fmt.lower()}'
 
 
@@ -89,6 +90,8 @@ def _quantized_symbols():
     yield quantized_target('matmul', fmt), 'QuantizedMatmul_' + fmt
     yield (quantized_target('matmul', fmt + INTERLEAVED_SUFFIX),
            'QuantizedMatmul_' + fmt + INTERLEAVED_SUFFIX)
+    yield (quantized_target('matmul_many', fmt + INTERLEAVED_SUFFIX),
+           'QuantizedMatmulMany_' + fmt + INTERLEAVED_SUFFIX)
     yield quantized_target('dequantize', fmt), 'QuantizedDequantize_' + fmt
 
 

@@ -1,7 +1,7 @@
 // The one way speclm's CPU kernels share a call between threads: `RunTasks`.
 //
-// Tasks are handed out one at a time from a shared counter, to the calling thread and to
-// helpers scheduled on XLA's own CPU thread pool (not OpenMP: a second pool of threads would
+// Tasks are handed out one at a time, from a range of its own to each thread (`TaskJob`), to
+// the calling thread and to helpers scheduled on XLA's own CPU thread pool (not OpenMP: a second pool of threads would
 // fight XLA's for the two cores, and waking it cost up to a third of a speculative round).
 // The caller works too and then waits until every claimed task is done, so it is correct
 // whether or not a helper ever runs; a helper that starts late finds no task left and only
@@ -29,45 +29,90 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// Hidden: the board below is one per library. With default visibility GCC makes a static
+// inside an inline function a process-wide (STB_GNU_UNIQUE) symbol, so two kernel libraries
+// loaded side by side (scripts/compare_cache_attention.py loads a revision's and the working
+// tree's) would share one board, and one library's helpers would run the other's jobs.
+#pragma GCC visibility push(hidden)
 namespace speclm {
 
-// One call's tasks, claimed from both ends: the caller takes them front to back and helpers
-// back to front, so that each thread reads its share of a matrix as one sequential stream (the
-// hardware prefetchers follow it; tasks dealt alternately left each thread a stride, and two
-// threads then read a 4-bit matrix more slowly than one). `span` holds the unclaimed range
-// [front, back) as front | back << 32.
+// One call's tasks, in as many contiguous ranges as threads are expected. Each thread starts
+// on a range of its own (the caller on the first, the i-th helper to join on range i + 1) and
+// claims its tasks front to back. A thread whose range is exhausted takes the back half of
+// the largest range left (work stealing by halves) and goes on through it front to back. So
+// each thread reads its share of a matrix as a few forward runs, which the hardware
+// prefetchers follow. Three earlier schemes lost to this one: tasks dealt alternately left
+// each thread a stride (two threads then read a 4-bit matrix more slowly than one); a helper
+// claiming single tasks from the back read its stretch group by group backwards, which the
+// prefetchers did not follow either (a 4-bit 1,536 x 576 matrix streamed from memory took
+// 2.8x as long as with both threads forward); and fixed halves, once exhausted, had the two
+// threads claim the rest of a range alternately again.
 struct TaskJob {
-  std::atomic<uint64_t> span{0};
+  struct alignas(64) Range {  // [front, back) as front | back << 32; a cache line each
+    std::atomic<uint64_t> span{0};
+  };
+  std::unique_ptr<Range[]> ranges;
+  int64_t tasks = 0, count = 1;  // tasks; ranges
+  std::atomic<int> joined{0};    // helpers that took part, for their starting ranges
   std::atomic<int64_t> done{0};
-  int64_t tasks = 0;
   std::function<void(int64_t)> run;  // runs task t
 
-  void Reset(int64_t count) {
-    tasks = count;
-    span.store(static_cast<uint64_t>(count) << 32);
+  static uint64_t Span(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  static int64_t Front(uint64_t s) { return static_cast<int64_t>(s & 0xffffffffu); }
+  static int64_t Back(uint64_t s) { return static_cast<int64_t>(s >> 32); }
+
+  void Reset(int64_t tasks_, int64_t threads) {
+    tasks = tasks_;
+    count = std::max<int64_t>(1, std::min(threads, tasks));
+    ranges.reset(new Range[count]);
+    for (int64_t i = 0; i < count; ++i)
+      ranges[i].span.store(Span(tasks * i / count, tasks * (i + 1) / count));
   }
 
-  // The next unclaimed task from the front (or the back), or -1.
-  int64_t Claim(bool from_back) {
-    uint64_t s = span.load(std::memory_order_relaxed);
+  // The next task of range `own`; once it is exhausted, the back half of the largest other
+  // range becomes `own`'s. -1 when no task is left unclaimed.
+  int64_t Claim(int64_t own) {
     for (;;) {
-      const int64_t front = static_cast<int64_t>(s & 0xffffffffu);
-      const int64_t back = static_cast<int64_t>(s >> 32);
-      if (front >= back) return -1;
-      const uint64_t claimed = from_back ? s - (uint64_t{1} << 32) : s + 1;
-      if (span.compare_exchange_weak(s, claimed)) return from_back ? back - 1 : front;
+      uint64_t s = ranges[own].span.load(std::memory_order_relaxed);
+      while (Front(s) < Back(s)) {
+        if (ranges[own].span.compare_exchange_weak(s, s + 1)) return Front(s);
+      }
+      int64_t largest = -1, most = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const uint64_t t = ranges[i].span.load(std::memory_order_relaxed);
+        if (i != own && Back(t) - Front(t) > most) largest = i, most = Back(t) - Front(t);
+      }
+      if (largest < 0) return -1;
+      uint64_t t = ranges[largest].span.load(std::memory_order_relaxed);
+      const int64_t front = Front(t), back = Back(t);
+      if (front >= back) continue;  // taken meanwhile: look again
+      // One task left: take it; more: leave the owner the front half, take the back half.
+      const int64_t middle = back - front == 1 ? front : front + (back - front + 1) / 2;
+      if (!ranges[largest].span.compare_exchange_strong(t, Span(front, middle))) continue;
+      // No thread changes an exhausted range, so `own` can be replaced outright.
+      ranges[own].span.store(Span(middle, back));
     }
   }
 
-  // Takes tasks until none is left; true if it ran any.
-  bool Work(bool from_back) {
+  // Takes tasks until none is left, starting on range `own` (this thread's alone); true if
+  // it ran any.
+  bool Work(int64_t own) {
     int64_t finished = 0;
-    for (int64_t t = Claim(from_back); t >= 0; t = Claim(from_back)) {
+    for (int64_t t = Claim(own); t >= 0; t = Claim(own)) {
       run(t);
       ++finished;
     }
     if (finished) done.fetch_add(finished, std::memory_order_release);
     return finished > 0;
+  }
+
+  // A helper's turn on the next range after the caller's; a helper beyond the call's ranges
+  // (or the same helper coming back) takes no part, so that each range has one owner.
+  bool Help() {
+    const int64_t slot = 1 + joined.fetch_add(1, std::memory_order_relaxed);
+    return slot < count && Work(slot);
   }
 };
 
@@ -91,7 +136,7 @@ inline void Linger() {
   auto until = std::chrono::steady_clock::now() + kLinger;
   for (int spins = 0;; ++spins) {
     std::shared_ptr<TaskJob> job = std::atomic_load(&board.job);
-    if (job && job->Work(/*from_back=*/true)) {
+    if (job && job->Help()) {
       until = std::chrono::steady_clock::now() + kLinger;
       continue;
     }
@@ -110,7 +155,7 @@ template <typename Body>
 void RunTasks(xla::ffi::ThreadPool& pool, int64_t items, int64_t per_task, Body body) {
   const int64_t tasks = (items + per_task - 1) / per_task;
   auto job = std::make_shared<TaskJob>();
-  job->Reset(tasks);
+  job->Reset(tasks, pool.num_threads());
   job->run = [body, per_task, items](int64_t t) {
     body(t * per_task, std::min((t + 1) * per_task, items));
   };
@@ -127,7 +172,7 @@ void RunTasks(xla::ffi::ThreadPool& pool, int64_t items, int64_t per_task, Body 
       }
     }
   }
-  job->Work(/*from_back=*/false);
+  job->Work(/*own=*/0);
   for (int spins = 0; job->done.load(std::memory_order_acquire) < tasks; ++spins) {
     if (spins < 4096) {
       _mm_pause();
@@ -142,5 +187,6 @@ void RunTasks(xla::ffi::ThreadPool& pool, int64_t items, int64_t per_task, Body 
 }
 
 }  // namespace speclm
+#pragma GCC visibility pop
 
 #endif  // SPECLM_KERNELS_PARALLEL_TASKS_H_

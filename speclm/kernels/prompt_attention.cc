@@ -186,8 +186,9 @@ ffi::Error PromptAttendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     for (int64_t head = first; head < end; ++head)
       TransposeKeys(k_data + head * length * h_dim, length, h_dim, kt + head * head_t);
   });
-  // Tasks in order of work: the last queries see the most keys, so the caller (from the
-  // front) and a helper (from the back) meet in the middle with even shares.
+  // Tasks in order of work: the last queries see the most keys. The helper's range (the back
+  // half) holds more of it; whoever runs out first steals halves of what the other has left
+  // (parallel_tasks.h), so the two end together.
   const int64_t query_blocks = (length + kQueries - 1) / kQueries;
   speclm::RunTasks(pool, heads * query_blocks, 1, [=](int64_t first, int64_t end) {
     thread_local std::vector<const float*> rows_q;

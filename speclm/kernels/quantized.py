@@ -12,6 +12,8 @@ with them, widening each block to float32 in registers:
                                            # dequantize once and XLA's GEMM (prompts)
     quantized.loaded('Q4_K', rows)         # ('Q4_K_x16', interleaved rows) where that route
                                            # is taken, else the arguments (load time)
+    quantized.products(x, [wq, wk, wv], fmt)  # several matrices over one x: a single call
+                                              # (`matmul_many`) on interleaved rows
 
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K (256); the
 other GGUF types load as float32 (`gguf.load_model` says so in one line). A row's product is
@@ -30,6 +32,8 @@ bit for bit; `dequantize` and `take_rows` undo the interleaving first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +64,8 @@ _FIELDS = {'Q8_0': ((0, 2, 2), (2, 34, 4)), 'Q4_0': ((0, 2, 2), (2, 18, 4)),
 # docs/performance.md), and needs no float copy.
 MAX_KERNEL_ROWS = 64
 MAX_INTEGER_KERNEL_ROWS = 1024
+# Matrices one `matmul_many` call takes (quantized_matmul.cc's kMaxMatrices).
+MAX_MATRICES_A_CALL = 4
 
 
 def kernel_rows() -> int:
@@ -198,6 +204,29 @@ def matmul(x: jax.Array, rows: jax.Array, fmt: str) -> jax.Array:
                               x.astype(jnp.float32), rows)
 
 
+def matmul_many(x: jax.Array, matrices: Sequence[jax.Array], fmt: str) -> list[jax.Array]:
+  """`[x [M, K] @ W_i^T -> [M, N_i]]` for up to four interleaved matrices over the same x (a
+  layer's query, key and value): one call, x split into digits once and every matrix's groups
+  shared out between the threads together, each product bitwise the one `matmul` gives."""
+  if not interleaved(fmt) or not interleaving():
+    raise ValueError(f'matmul_many takes interleaved rows on the integer route, not {fmt}.')
+  if not 1 <= len(matrices) <= MAX_MATRICES_A_CALL:
+    raise ValueError(f'matmul_many takes 1 to {MAX_MATRICES_A_CALL} matrices, got'
+                     f' {len(matrices)}.')
+  k = row_length(fmt, matrices[0].shape[1])
+  if x.ndim != 2 or x.shape[1] != k:
+    raise ValueError(f'x must be [M, {k}] for these {fmt} rows, got {x.shape}.')
+  for rows in matrices:
+    _require(rows)
+    _groups(rows.shape[0], fmt)
+    if rows.shape[1] != matrices[0].shape[1]:
+      raise ValueError(f'the matrices must have the same row bytes, got {rows.shape[1]} and'
+                       f' {matrices[0].shape[1]}.')
+  shapes = [jax.ShapeDtypeStruct((x.shape[0], rows.shape[0]), jnp.float32) for rows in matrices]
+  return list(jax.ffi.ffi_call(cpu_matmul.quantized_target('matmul_many', fmt), shapes)(
+      x.astype(jnp.float32), *matrices))
+
+
 def dequantize(rows: jax.Array, fmt: str) -> jax.Array:
   """The stored rows widened to float32 `[N, K]` (ggml's reference dequantization)."""
   _require(rows)
@@ -222,6 +251,15 @@ def take_rows(rows: jax.Array, ids: jax.Array, fmt: str) -> jax.Array:
   else:
     picked = jnp.take(rows, ids, axis=0)
   return dequantize(picked, fmt).reshape(shape + (-1,))
+
+
+def products(x: jax.Array, matrices: Sequence[jax.Array], fmt: str) -> list[jax.Array]:
+  """`[product(x, W_i, fmt)]`: through one `matmul_many` call where it serves (interleaved
+  rows, up to `kernel_rows()` rows of x), else one `product` each. The numbers are the same."""
+  if (interleaved(fmt) and interleaving() and x.shape[0] <= kernel_rows()
+      and len(matrices) <= MAX_MATRICES_A_CALL):
+    return matmul_many(x, matrices, fmt)
+  return [product(x, rows, fmt) for rows in matrices]
 
 
 def product(x: jax.Array, rows: jax.Array, fmt: str) -> jax.Array:

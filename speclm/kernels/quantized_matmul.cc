@@ -8,7 +8,8 @@
 // 1.3-2.7x the float route's speed at 1-5 rows; SPECLM_QUANTIZED_FLOAT=1 keeps the float route.
 //
 // Threads take output rows 16 at a time (`speclm::RunTasks`, parallel_tasks.h: the calling
-// thread from the first rows on, helpers on XLA's own thread pool from the last rows back).
+// thread from the first rows on, a helper on XLA's own thread pool from the middle, each
+// forward, and whoever runs out steals the back half of what the other has left).
 // Where the integer route is taken, matrices load with sixteen rows interleaved (the '_x16'
 // targets; `quantized.interleave`). With up to five input rows (a decode step, or
 // a verification of γ ≤ 4 drafted tokens), the thread widens 64 weights of an output row at a
@@ -511,6 +512,70 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// x @ W_i^T for a few matrices over the same x (a layer's query, key and value, or its gate
+// and up), all interleaved (integer route only): x is split into digits once, and the
+// matrices' 16-row groups are shared out between the threads as one call's tasks. Each
+// output holds exactly what the one-matrix call gives (the same `TaskProducts` per group).
+constexpr size_t kMaxMatrices = 4;
+
+template <typename F>
+ffi::Error MatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                          ffi::RemainingRets ys) {
+#if defined(SPECLM_INTEGER_BLOCKS)
+  using Layout = typename IntegerLayout<F>::type;
+  if constexpr (!std::is_void_v<Layout>) {
+    namespace ib = speclm::integer_blocks;
+    const auto x_dims = x.dimensions();
+    const size_t count = ws.size();
+    if (x_dims.size() != 2 || x_dims[1] % F::kWeights != 0 || count == 0 ||
+        count > kMaxMatrices || ys.size() != count || !IntegerRoute()) {
+      return ffi::Error::InvalidArgument(
+          "quantized_matmul_many: expects x [M, K], 1-4 interleaved matrices and as many"
+          " outputs, on the integer route (AVX512-VNNI, SPECLM_QUANTIZED_FLOAT unset)");
+    }
+    const int64_t k_dim = x_dims[1], row_bytes = k_dim / F::kWeights * F::kBytes;
+    const uint8_t* w_data[kMaxMatrices];
+    float* y_data[kMaxMatrices];
+    int64_t n[kMaxMatrices], start[kMaxMatrices + 1] = {0};  // start: rows before matrix i
+    for (size_t i = 0; i < count; ++i) {
+      auto w = ws.get<ffi::Buffer<ffi::U8>>(i);
+      auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+      if (w.has_error() || y.has_error()) return ffi::Error::InvalidArgument(
+          "quantized_matmul_many: matrices must be uint8 and outputs float32");
+      const auto w_dims = w->dimensions();
+      const auto y_dims = (*y)->dimensions();
+      if (w_dims.size() != 2 || w_dims[1] != row_bytes || w_dims[0] % kRowsPerTask != 0 ||
+          y_dims.size() != 2 || y_dims[0] != x_dims[0] || y_dims[1] != w_dims[0]) {
+        return ffi::Error::InvalidArgument(
+            "quantized_matmul_many: matrix i must be [N_i, K / block weights × block bytes]"
+            " with N_i a multiple of 16, and output i [M, N_i]");
+      }
+      w_data[i] = w->typed_data();
+      y_data[i] = (*y)->typed_data();
+      n[i] = w_dims[0];
+      start[i + 1] = start[i] + n[i];
+    }
+    const speclm::LiveRows live = speclm::FindLiveRows(x.typed_data(), x_dims[0], k_dim);
+    const int64_t m = live.count();
+    for (size_t i = 0; i < count; ++i) speclm::ZeroDeadRows(live, x_dims[0], n[i], y_data[i]);
+    if (m == 0) return ffi::Error::Success();
+    thread_local ib::Digits digits;  // as in MatmulImpl
+    ib::Split(live.data, m, k_dim, &digits);
+    const ib::Digits& split = digits;
+    const int64_t* row_index = live.index.data();
+    speclm::RunTasks(pool, start[count], kRowsPerTask, [&](int64_t first, int64_t end) {
+      size_t i = 0;
+      while (first >= start[i + 1]) ++i;  // groups never straddle two matrices
+      ib::TaskProducts<Layout>(w_data[i], row_bytes, first - start[i], end - start[i], true,
+                               split, m, row_index, n[i], y_data[i]);
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  return ffi::Error::InvalidArgument(
+      "quantized_matmul_many: needs the integer route (AVX512-VNNI) and a format it serves");
+}
+
 template <typename F>
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
                           ffi::ResultBuffer<ffi::F32> y) {
@@ -550,6 +615,12 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w,
                                     .Arg<ffi::Buffer<ffi::F32>>()                       \
                                     .Arg<ffi::Buffer<ffi::U8>>()                        \
                                     .Ret<ffi::Buffer<ffi::F32>>());                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulMany_##F##_x16, MatmulManyImpl<F>,       \
+                                ffi::Ffi::Bind()                                        \
+                                    .Ctx<ffi::ThreadPool>()                             \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                       \
+                                    .RemainingArgs()                                    \
+                                    .RemainingRets());                                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedDequantize_##F, DequantizeImpl<F>,             \
                                 ffi::Ffi::Bind()                                        \
                                     .Ctx<ffi::ThreadPool>()                             \

@@ -59,6 +59,12 @@ from speclm import protocol
 from speclm import trees
 from speclm.models import attention
 from speclm.models import layers
+# A projection's product (XLA, the packed CPU kernel or GGUF's blocks); also this module's.
+from speclm.models.projections import Kernel
+from speclm.models.projections import kernel_serves
+from speclm.models.projections import on_cpu_kernels
+from speclm.models.projections import sibling_products
+from speclm.models.projections import stored_format
 # The configuration lives in its own module; the names are this module's as well.
 from speclm.models.llama_config import FAMILIES  # pylint: disable=unused-import
 from speclm.models.llama_config import LlamaConfig
@@ -86,78 +92,6 @@ class KVCache:
     return self.keys.shape[3]
 
 
-class Kernel(nn.Module):
-  """A projection whose kernel has the given shape; `spec` is its einsum. With `use_bias`
-  a bias over the output dims is added (Qwen2's query/key/value)."""
-
-  shape: tuple[int, ...]
-  spec: str
-  fan_in: int
-  param_dtype: Any
-  dtype: Any
-  merge_input_dims: int = 1  # leading kernel dims multiplied as one (x flattened to match)
-  use_bias: bool = False
-
-  @nn.compact
-  def __call__(self, x):
-    out = self._product(x)
-    if self.use_bias:
-      bias = self.param('bias', nn.initializers.zeros, self.shape[self.merge_input_dims:],
-                        self.param_dtype)
-      out = (out.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
-    return out
-
-  def _product(self, x):
-    init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.fan_in))
-    stored = _stored_format(self)
-    if stored is not None:
-      return self._quantized_product(x, stored)
-    if self.has_variable('params', 'packed') and _kernel_serves(x, self.merge_input_dims):
-      return self._packed_product(x)
-    kernel = self.param('kernel', init, self.shape, self.param_dtype)
-    if self.merge_input_dims > 1:
-      # A plain 2-D product on contiguous reshapes (free): XLA then reads the kernel as stored
-      # instead of transposing it on every call.
-      kernel = kernel.reshape((-1,) + self.shape[self.merge_input_dims:])
-      x = x.reshape(x.shape[:x.ndim - self.merge_input_dims] + (-1,))
-    return layers.dot(self.spec, x, kernel, self.dtype)
-
-  def _packed_product(self, x):
-    """The same product through `cpu_matmul`: weights streamed once for any number of rows."""
-    from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-    merge = self.merge_input_dims
-    return cpu_matmul.packed_product(x, self.get_variable('params', 'packed'),
-                                     self.shape[merge:], self.dtype, input_dims=merge)
-
-  def _quantized_product(self, x, fmt: str):
-    """The product with the kernel kept in GGUF's blocks (`speclm.kernels.quantized`): the
-    stored rows are the kernel's output units, each over all its (merged) inputs."""
-    from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-    merge = self.merge_input_dims
-    lead = x.shape[:x.ndim - merge]
-    flat = x.reshape(-1, math.prod(x.shape[x.ndim - merge:])).astype(jnp.float32)
-    y = quantized.product(flat, self.get_variable('params', fmt), fmt)
-    return y.reshape(lead + self.shape[merge:]).astype(self.dtype)
-
-
-def _on_cpu_kernels(attention_params) -> bool:
-  """Whether an `Attention`'s products (given its parameters) go through the CPU kernels
-  (`pack_for_cpu`, GGUF blocks): its decode steps then attend through
-  `speclm.kernels.cache_attention` too, and prompts `speclm.kernels.prompt_attention`."""
-  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-  query = attention_params.get('query', {})
-  return 'packed' in query or quantized.format_of(dict(query)) is not None
-
-
-def _stored_format(module: nn.Module) -> str | None:
-  """The quantized format whose stored rows `module` holds instead of a float parameter."""
-  from speclm.kernels import quantized  # pylint: disable=import-outside-toplevel
-  for fmt in quantized.STORED_FORMATS:
-    if module.has_variable('params', fmt):
-      return fmt
-  return None
-
-
 class Embedder(nn.Module):
   """The token embedding table `[V, D]` (`embedder/embedding`, as `nn.Embed` names it), or
   its rows kept quantized as the GGUF file stores them; `attend` is the tied output head."""
@@ -167,7 +101,7 @@ class Embedder(nn.Module):
   param_dtype: Any
 
   def setup(self):
-    self.stored = _stored_format(self)
+    self.stored = stored_format(self)
     if self.stored is None:
       init = nn.initializers.normal(stddev=1.0 / math.sqrt(self.features))
       self.embedding = self.param('embedding', init, (self.num_embeddings, self.features),
@@ -189,13 +123,6 @@ class Embedder(nn.Module):
       return logits.reshape(hidden.shape[:-1] + (self.num_embeddings,))
     return jnp.einsum('BKD,VD->BKV', hidden, self.embedding.astype(hidden.dtype),
                       preferred_element_type=jnp.float32)
-
-
-def _kernel_serves(x, input_dims: int) -> bool:
-  """Whether the packed kernel takes this product: few rows (decode steps, verification);
-  long prompts go to XLA's product of the plain kernel kept beside the packed copy."""
-  from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-  return cpu_matmul.serves(math.prod(x.shape[:x.ndim - input_dims]))
 
 
 _INPUT_DIMS = {'out': 2}  # kernels whose leading two dims are inputs (see Attention)
@@ -222,9 +149,10 @@ class Attention(nn.Module):
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
     d, n, nkv, h = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim
     bias = c.qkv_bias
-    q = Kernel((d, n, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='query')(x)
-    k = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='key')(x)
-    v = Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='value')(x)
+    q, k, v = sibling_products(self, x, [  # in one kernel call where the rows allow
+        Kernel((d, n, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='query'),
+        Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='key'),
+        Kernel((d, nkv, h), 'BKD,DNH->BKNH', d, pd, dt, use_bias=bias, name='value')])
     if c.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalized before RoPE
       q = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='query_norm')(q)
       k = layers.RMSNorm(c.norm_eps, pd, c.norm_offset, name='key_norm')(k)
@@ -239,7 +167,7 @@ class Attention(nn.Module):
     q = q.reshape(q.shape[0], q.shape[1], nkv, n // nkv, h)
     window = c.sliding_window if c.is_sliding(self.layer) else None
     scale = (c.query_pre_attn_scalar or h) ** -0.5
-    on_kernels = _on_cpu_kernels(self.variables.get('params', {}))
+    on_kernels = on_cpu_kernels(self.variables.get('params', {}))
     if fresh:  # a prompt into an empty cache: causal among its own K entries, in tiles
       out = attention.prompt_attention(q, new_keys, new_values, scale=scale,
                                        cap=c.attn_logit_softcap, window=window, dtype=dt,
@@ -254,7 +182,7 @@ class Attention(nn.Module):
         visible = visible & (key_positions[:, None, :] > positions[:, :, None] - window)
       from speclm.kernels import cache_attention  # pylint: disable=import-outside-toplevel
       # As the products: decode steps and verification calls, not long prompts.
-      if on_kernels and _kernel_serves(q, 3) and cache_attention.serves(h, keys.dtype):
+      if on_kernels and kernel_serves(q, 3) and cache_attention.serves(h, keys.dtype):
         out = cache_attention.attend(q, keys, values, visible, layer=slot, scale=scale,
                                      cap=c.attn_logit_softcap)
       else:
@@ -276,8 +204,9 @@ class MLP(nn.Module):
   def __call__(self, x):
     c = self.config
     pd, dt = jnp.dtype(c.param_dtype), jnp.dtype(c.dtype)
-    gate = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='gate')(x)
-    up = Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='up')(x)
+    gate, up = sibling_products(self, x, [  # in one kernel call where the rows allow
+        Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='gate'),
+        Kernel((c.embed_dim, c.mlp_dim), 'BKD,DF->BKF', c.embed_dim, pd, dt, name='up')])
     gate = gate.astype(jnp.float32)
     activated = jax.nn.silu(gate) if c.activation == 'silu' else jax.nn.gelu(gate, approximate=True)
     hidden = (activated * up.astype(jnp.float32)).astype(dt)
@@ -509,7 +438,7 @@ class Llama(protocol.LanguageModel, protocol.FeatureSource):
     """True when B·K rows go through the CPU kernels (`pack_for_cpu`, GGUF blocks), which skip
     zero rows; see `speclm.protocol.LanguageModel.skips_dead_positions`."""
     from speclm.kernels import cpu_matmul  # pylint: disable=import-outside-toplevel
-    return (_on_cpu_kernels(params.get('layers_0', {}).get('attention', {}))
+    return (on_cpu_kernels(params.get('layers_0', {}).get('attention', {}))
             and cpu_matmul.serves(shape[0] * shape[1]))
 
   def extend_tree(self, params, tokens, tree, cache):
