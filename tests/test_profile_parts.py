@@ -48,6 +48,28 @@ def test_parts_of_the_loop_body_from_the_op_names(tmp_path):
   assert shallow['LlamaModule'] == 15.0 and shallow['EagleModule'] == 2.0
 
 
+def test_an_operation_counts_its_own_time_not_that_of_the_operations_inside_it(tmp_path):
+  """A `while` inside the loop body (a draft's γ steps) has an event spanning its body's
+  events: it counts only the time none of them covers, so nothing is counted twice."""
+  hlo = ('HloModule jit__speculative_loop\n'
+         + _line('while.8', 'while/body/while')
+         + _line('fusion.9', 'while/body/EagleModule/layers_0/mlp/dot_general')
+         + _line('fusion.1', 'while/body/LlamaModule/layers_3/mlp/up/dot_general'))
+  (tmp_path / 'module_0001.jit__speculative_loop.cpu_after_optimizations.txt').write_text(hlo)
+  names = profile_parts.op_names(str(tmp_path))
+
+  def timed(op, ts, dur, tid=1):
+    return dict(_event(op, dur), ts=ts, tid=tid, pid=7)
+
+  events = [timed('while.8', 100.0, 50.0),
+            timed('fusion.9', 105.0, 20.0), timed('fusion.9', 130.0, 15.0),  # its body's steps
+            timed('fusion.1', 110.0, 30.0, tid=2),  # another thread at the same time
+            timed('fusion.1', 160.0, 10.0)]  # after the while, on its thread
+  total, _ = profile_parts.part_times(events, names, depth=2)
+  assert dict(total) == {'(loop) while': 15.0, 'EagleModule/layers_*': 35.0,
+                         'LlamaModule/layers_*': 40.0}
+
+
 def test_part_of_an_op_name():
   body = 'jit(_autoregressive_loop)/while/body/'
   assert profile_parts.part_of(body + 'LlamaModule/layers_29/attention/ffi_call', 2) == (

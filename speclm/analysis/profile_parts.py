@@ -59,17 +59,48 @@ def part_of(op_name: str, depth: int) -> str | None:
 def part_times(events, names: dict[tuple[str, str], str],
                depth: int) -> tuple[collections.Counter, collections.Counter]:
   """Microseconds and counts per part (`part_of`) over trace events (the trace viewer's
-  `traceEvents`: complete events whose `args` name their `hlo_module` and `hlo_op`)."""
+  `traceEvents`: complete events whose `args` name their `hlo_module` and `hlo_op`). An
+  event counts its own time only, not that of the events nested in it (`_own_times`)."""
   total, count = collections.Counter(), collections.Counter()
-  for event in events:
-    args = event.get('args', {})
-    if event.get('ph') != 'X' or 'hlo_op' not in args:
-      continue
+  events = [event for event in events
+            if event.get('ph') == 'X' and 'hlo_op' in event.get('args', {})]
+  own = _own_times(events)
+  for event, micros in zip(events, own):
+    args = event['args']
     module = args.get('hlo_module', '')
     name = names.get((module, args['hlo_op']))
     part = UNNAMED if name is None and _LOOP_MODULE.match(module) else (
         None if name is None else part_of(name, depth))
     if part is not None:
-      total[part] += event.get('dur', 0)
+      total[part] += micros
       count[part] += 1
   return total, count
+
+
+def _own_times(events) -> list[float]:
+  """Each event's own microseconds: its duration less those of the events nested directly in
+  it on the same thread. A `while` (or `conditional`) operation's event spans its body's
+  operations, which have events of their own: counted whole, a draft's γ-step loop inside a
+  round would appear twice, once as its parts and once as '(loop) while'. Events without a
+  start time count whole."""
+  own = [float(event.get('dur', 0)) for event in events]
+  threads = collections.defaultdict(list)
+  for i, event in enumerate(events):
+    if 'ts' in event:
+      threads[(event.get('pid'), event.get('tid'))].append(i)
+  for indices in threads.values():
+    indices.sort(key=lambda i: (events[i]['ts'], -events[i].get('dur', 0)))
+    open_events = []  # indices of the events that enclose the current one, outermost first
+    for i in indices:
+      start = events[i]['ts']
+      end = start + events[i].get('dur', 0)
+      while open_events and _end(events[open_events[-1]]) <= start:
+        open_events.pop()
+      if open_events and end <= _end(events[open_events[-1]]):
+        own[open_events[-1]] -= events[i].get('dur', 0)
+      open_events.append(i)
+  return own
+
+
+def _end(event) -> float:
+  return event['ts'] + event.get('dur', 0)
