@@ -443,6 +443,40 @@ bool IntegerRoute() {
 #endif
 }
 
+// Matrices one `MatmulManyImpl` call takes (`quantized.MAX_MATRICES_A_CALL`).
+constexpr size_t kMaxMatrices = 4;
+
+#if defined(SPECLM_INTEGER_BLOCKS)
+// The integer route (integer_blocks.h): the live rows of x split into digits once, then the
+// 16-row groups of `count` matrices (rows n[i], each as stored or interleaved) shared out
+// between the threads as one call's tasks, y[i] = x @ W_i^T. `MatmulImpl` passes one matrix,
+// `MatmulManyImpl` several over the same x; a group's products are the same either way.
+template <typename Layout>
+void IntegerProducts(ffi::ThreadPool& pool, const speclm::LiveRows& live, int64_t k_dim,
+                     int64_t row_bytes, bool interleaved, size_t count,
+                     const uint8_t* const* w_data, const int64_t* n, float* const* y_data) {
+  namespace ib = speclm::integer_blocks;
+  static_assert(kRowsPerTask == ib::kGroup, "a task is one group of lanes");
+  int64_t start[kMaxMatrices + 1] = {0};  // rows before matrix i, counting whole groups
+  for (size_t i = 0; i < count; ++i)
+    start[i + 1] = start[i] + (n[i] + kRowsPerTask - 1) / kRowsPerTask * kRowsPerTask;
+  // The calling thread's buffers, reused from call to call; the tasks, on other threads too,
+  // read them through `split` (a thread_local named in the lambda would be theirs).
+  thread_local ib::Digits digits;
+  const int64_t m = live.count();
+  ib::Split(live.data, m, k_dim, &digits);
+  const ib::Digits& split = digits;
+  const int64_t* row_index = live.index.data();
+  speclm::RunTasks(pool, start[count], kRowsPerTask, [&](int64_t first, int64_t end) {
+    size_t i = 0;
+    while (first >= start[i + 1]) ++i;  // a task is one group, within one matrix
+    const int64_t row = first - start[i];
+    ib::TaskProducts<Layout>(w_data[i], row_bytes, row, std::min(row + kRowsPerTask, n[i]),
+                             interleaved, split, m, row_index, n[i], y_data[i]);
+  });
+}
+#endif
+
 // x @ W^T with W as the file stores it or, with kInterleaved, as `quantized.interleave` wrote
 // it (sixteen rows' blocks interleaved; integer route only).
 template <typename F, bool kInterleaved>
@@ -476,16 +510,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   using Layout = typename IntegerLayout<F>::type;
   if constexpr (!std::is_void_v<Layout>) {
     if (ib::Enabled()) {
-      static_assert(kRowsPerTask == ib::kGroup, "a task is one group of lanes");
-      // The calling thread's buffers, reused from call to call; the tasks, on other threads
-      // too, read them through `split` (a thread_local named in the lambda would be theirs).
-      thread_local ib::Digits digits;
-      ib::Split(x_data, m, k_dim, &digits);
-      const ib::Digits& split = digits;
-      speclm::RunTasks(pool, n, kRowsPerTask, [&](int64_t first, int64_t end) {
-        ib::TaskProducts<Layout>(w_data, row_bytes, first, end, kInterleaved, split, m,
-                                 row_index, n, y_data);
-      });
+      IntegerProducts<Layout>(pool, live, k_dim, row_bytes, kInterleaved, 1, &w_data, &n,
+                              &y_data);
       return ffi::Error::Success();
     }
   }
@@ -516,15 +542,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // and up), all interleaved (integer route only): x is split into digits once, and the
 // matrices' 16-row groups are shared out between the threads as one call's tasks. Each
 // output holds exactly what the one-matrix call gives (the same `TaskProducts` per group).
-constexpr size_t kMaxMatrices = 4;
-
 template <typename F>
 ffi::Error MatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                           ffi::RemainingRets ys) {
 #if defined(SPECLM_INTEGER_BLOCKS)
   using Layout = typename IntegerLayout<F>::type;
   if constexpr (!std::is_void_v<Layout>) {
-    namespace ib = speclm::integer_blocks;
     const auto x_dims = x.dimensions();
     const size_t count = ws.size();
     if (x_dims.size() != 2 || x_dims[1] % F::kWeights != 0 || count == 0 ||
@@ -536,7 +559,7 @@ ffi::Error MatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
     const int64_t k_dim = x_dims[1], row_bytes = k_dim / F::kWeights * F::kBytes;
     const uint8_t* w_data[kMaxMatrices];
     float* y_data[kMaxMatrices];
-    int64_t n[kMaxMatrices], start[kMaxMatrices + 1] = {0};  // start: rows before matrix i
+    int64_t n[kMaxMatrices];
     for (size_t i = 0; i < count; ++i) {
       auto w = ws.get<ffi::Buffer<ffi::U8>>(i);
       auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
@@ -553,22 +576,12 @@ ffi::Error MatmulManyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
       w_data[i] = w->typed_data();
       y_data[i] = (*y)->typed_data();
       n[i] = w_dims[0];
-      start[i + 1] = start[i] + n[i];
     }
     const speclm::LiveRows live = speclm::FindLiveRows(x.typed_data(), x_dims[0], k_dim);
     const int64_t m = live.count();
     for (size_t i = 0; i < count; ++i) speclm::ZeroDeadRows(live, x_dims[0], n[i], y_data[i]);
     if (m == 0) return ffi::Error::Success();
-    thread_local ib::Digits digits;  // as in MatmulImpl
-    ib::Split(live.data, m, k_dim, &digits);
-    const ib::Digits& split = digits;
-    const int64_t* row_index = live.index.data();
-    speclm::RunTasks(pool, start[count], kRowsPerTask, [&](int64_t first, int64_t end) {
-      size_t i = 0;
-      while (first >= start[i + 1]) ++i;  // groups never straddle two matrices
-      ib::TaskProducts<Layout>(w_data[i], row_bytes, first - start[i], end - start[i], true,
-                               split, m, row_index, n[i], y_data[i]);
-    });
+    IntegerProducts<Layout>(pool, live, k_dim, row_bytes, true, count, w_data, n, y_data);
     return ffi::Error::Success();
   }
 #endif
