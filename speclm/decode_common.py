@@ -150,9 +150,14 @@ class LoopState:
   draft_cache: protocol.Cache
   rng: jax.Array
   stats: DecodeStats
-  # [B, 2, D] the target's features before prev_token and pending_token, for a
-  # FeatureConditionedDraft; None for other drafts.
+  # For a FeatureConditionedDraft (None for other drafts): the target's features before the
+  # tokens the draft re-reads at the next round's start. The tree loop: [B, 2, D], before
+  # prev_token and pending_token. The chain loop (`FeatureBlock`): [B, G+1, D], before the
+  # last round's appended tokens `feature_tokens` [B, G+1], of which the first
+  # `feature_count` [B] are real.
   draft_features: jax.Array | None = None
+  feature_tokens: jax.Array | None = None
+  feature_count: jax.Array | None = None
   # [B] each row's decayed β sum and count, for `adaptive.AdaptiveGamma`; None otherwise.
   evidence_sum: jax.Array | None = None
   evidence_count: jax.Array | None = None
@@ -531,22 +536,50 @@ def prefill_feature_draft(draft_def, draft_params, prompts, lengths, features, c
       axis=1)
 
 
-def hand_off_features(draft_features, features, n, good) -> jax.Array:
-  """The EAGLE feature hand-off: the next round's `draft_features` `[B, 2, D]`.
+def first_feature_block(state: LoopState, width: int) -> LoopState:
+  """The chain loop's first re-read block after prefill: [s_{C−2}, s_{C−1}] with the features
+  before them (`prefill_feature_draft`'s `[B, 2, D]`), padded to `width` = G+1 rows."""
+  batch = state.prev_token.shape[0]
+  tokens = jnp.zeros((batch, width), jnp.int32)
+  tokens = tokens.at[:, 0].set(state.prev_token).at[:, 1].set(state.pending_token)
+  features = jnp.pad(state.draft_features, ((0, 0), (0, width - 2), (0, 0)))
+  return state.replace(draft_features=features, feature_tokens=tokens,
+                       feature_count=jnp.full((batch,), 2, jnp.int32))
 
-  `features` `[B, K, D]` are the target's features of the verified positions C−1 … C−1+γ
-  (of a chain; of the root and the kept path for a token tree). The new prev and pending
-  tokens sit at C−1+n and C+n, so the features before them are those of positions C−1+n−1
-  and C−1+n. When n = 0 the new prev is the old pending token, whose feature
-  (`draft_features[:, 1]`) is already known. Rows that are not `good` (stopped, or discarded
-  for bad logits) keep theirs.
+
+def next_feature_block(state: LoopState, new_tokens, features, n, good) -> LoopState:
+  """The next round's re-read block: the n+1 tokens this round appended, x_1 … x_n, t
+  (`round_tokens`' new tokens `[B, G+1]`), with the target's features before each: those of
+  the verified positions C−1 … C−1+n, `features[:, :n+1]` (`[B, G+1, D]`). Rows that are not
+  `good` keep theirs.
+
+  Re-reading every accepted token with the target's features keeps the draft's cache as
+  training-time test trains it (`speclm.models.eagle.ttt_visibility`): true features at every
+  position before the round. Re-reading only the newest two would leave x_1 … x_{n−1} with
+  the draft's own predicted features from drafting them.
   """
-  def feature_at(i):
-    return jnp.take_along_axis(features, i[:, None, None], axis=1)[:, 0]
-  before_prev = jnp.where((n > 0)[:, None], feature_at(jnp.maximum(n - 1, 0)),
-                          draft_features[:, 1])
-  return jnp.where(good[:, None, None], jnp.stack([before_prev, feature_at(n)], axis=1),
-                   draft_features)
+  keep = good[:, None]
+  return state.replace(
+      feature_tokens=jnp.where(keep, new_tokens, state.feature_tokens),
+      draft_features=jnp.where(keep[:, :, None], features, state.draft_features),
+      feature_count=jnp.where(good, n + 1, state.feature_count))
+
+
+def reread_feature_block(draft_def, draft_params, cache, tokens, features, count,
+                         target_lengths):
+  """A round's first draft call with the re-read block (`next_feature_block`): roll the draft
+  `cache` back to C − count and extend it with the block's `tokens` `[B, W]` and `features`
+  `[B, W, D]` in one call, then roll it back to C positions. Rows past `count` `[B]` come
+  after the real ones, so no real row sees them. `target_lengths` is C−1. Returns (the
+  draft's logits `[B, V]` after s_{C−1}, its cache, its predicted feature `[B, 1, D]` of
+  s_{C−1})."""
+  cache = draft_def.rollback(cache, target_lengths + 1 - count)
+  logits, predicted, cache = draft_def.extend_with_features(draft_params, tokens, features,
+                                                            cache)
+  last = (count - 1)[:, None, None]
+  return (jnp.take_along_axis(logits, last, axis=1)[:, 0],
+          draft_def.rollback(cache, target_lengths + 1),
+          jnp.take_along_axis(predicted, last, axis=1))
 
 
 def draft_extender(draft_def, draft_params):

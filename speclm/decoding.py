@@ -23,8 +23,12 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
          extend with [s_{C−2}, s_{C−1}] (`_read_newest`; the re-fed s_{C−2} is what lets the
          draft catch up after a round where all γ were kept, without a branch); then γ−1
          single-token steps (`_draft_chain`). γ draft calls give q̃_1…q̃_γ, x_1…x_γ. A
-         `protocol.FeatureConditionedDraft` (EAGLE-style) also gets the target's features of
-         positions C−3 and C−2 with that re-feed, and its own predicted ones after it.
+         `protocol.FeatureConditionedDraft` (EAGLE-style) instead rolls back to C − n − 1
+         and re-reads the n+1 tokens the last round appended, each with the target's
+         feature of the position before it (`common.reread_feature_block`: G+1 rows, the
+         ones past n+1 unused), so every position before the round holds the target's
+         features, as training-time test trains it; its later steps read its own predicted
+         features.
       2. verify (`_verify_and_accept`): one target extend with [s_{C−1}, x_1, …, x_γ]
          -> p̃_1 … p̃_{γ+1} (and its features of those positions for a feature-conditioned
          draft).
@@ -47,8 +51,8 @@ s_{C−1} ("pending") is not yet in the target's cache: the target cache holds C
     (`common.reread_draft`). A batch that stopped speculating therefore runs the draft not at
     all. Two bookkeeping helpers finish the round: `common.count_chain_round` adds it to the
     statistics (β sums and counts, the acceptance histogram, call counts) and
-    `common.hand_off_features` gives a feature-conditioned draft the target's features for
-    the next round's re-feed.
+    `common.next_feature_block` keeps, for a feature-conditioned draft, the round's appended
+    tokens and the target's features before them for the next round's re-read.
 
 Shape letters: B batch, P prompt length, T output buffer, G γ, K tokens per extend, V
 vocabulary, D feature width, W recent tokens.
@@ -204,7 +208,7 @@ def _run_speculative_loop(target, draft, prompts, lengths, limits, *, gamma, rul
       limits, jax.random.key(seed), end_tokens(eos_id), jnp.int32(pad_id), costs,
       gamma=gamma, rule=None if rule is None else rule.structure(), sampling=sampling,
       buffer_length=max_new + gamma + 1, target_capacity=capacity(target.definition),
-      draft_capacity=capacity(draft.definition))
+      draft_capacity=capacity(draft.definition, gamma=gamma + _feature_overhang(draft)))
   return common.trim(result, max_new)
 
 
@@ -291,6 +295,15 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
   return common.finish(state, pad_id)
 
 
+def _feature_overhang(draft_def) -> int:
+  """Draft cache positions past one round's γ+1 lookahead from C−2: one for a
+  feature-conditioned draft, whose re-read block (`common.reread_feature_block`) of G+1 rows
+  starts at C − count, C−1 at the latest."""
+  if isinstance(draft_def, protocol.Model):
+    draft_def = draft_def.definition
+  return int(isinstance(draft_def, protocol.FeatureConditionedDraft))
+
+
 def _prefill_pair(loop: _Loop, rng, buffer_length: int, target_capacity: int,
                   draft_capacity: int) -> common.LoopState:
   """Prefills both models (one function per kind of draft) and builds the first state: the
@@ -307,6 +320,8 @@ def _prefill_pair(loop: _Loop, rng, buffer_length: int, target_capacity: int,
                        draft_features=draft_features)
   if not loop.lazy_draft:
     state = state.replace(stats=state.stats.replace(draft_calls=state.stats.draft_calls + 1))
+  if loop.with_features:
+    state = common.first_feature_block(state, loop.gamma + 1)
   if loop.rule is None:
     return state
   state = state.replace(evidence_sum=jnp.zeros((batch,), jnp.float32),
@@ -361,7 +376,8 @@ def _round(loop: _Loop, state: common.LoopState) -> common.LoopState:
   """One round of Algorithm 1 for every row: draft, verify, accept, append."""
   # The target writes γ+1 positions after C−1; the draft γ+1 after C−2.
   state, target_lengths, active, keys = common.begin_round(
-      state, loop.target_def, loop.draft_def, loop.gamma + 1, loop.gamma + 1)
+      state, loop.target_def, loop.draft_def, loop.gamma + 1,
+      loop.gamma + 1 + _feature_overhang(loop.draft_def))
   rng, draft_key, uniform_key, next_key = keys
   # 0. An adaptive rule picks this round's γ from each row's running α (`speclm.adaptive`).
   round_gamma = None
@@ -390,6 +406,8 @@ def _round(loop: _Loop, state: common.LoopState) -> common.LoopState:
       state, active, padded, new_tokens, n, active & (target_bad | draft_bad), loop.limits,
       loop.eos_id)
   state = _track_drafting(loop, state, result, new_tokens, good, num_drafted, draft_runs)
+  if loop.with_features:
+    state = common.next_feature_block(state, new_tokens, features, n, good)
   # t becomes pending; the token before it is x_n, or the old pending token when n = 0.
   return state.replace(
       tokens=tokens, num_generated=num_generated,
@@ -397,9 +415,7 @@ def _round(loop: _Loop, state: common.LoopState) -> common.LoopState:
       pending_token=jnp.where(good, result.next_token, state.pending_token),
       stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
       stats=common.count_chain_round(state.stats, result, active, good, num_drafted,
-                                     draft_runs),
-      draft_features=(common.hand_off_features(state.draft_features, features, n, good)
-                      if loop.with_features else None))
+                                     draft_runs))
 
 
 def _draft_step(loop: _Loop, state: common.LoopState, target_lengths, round_gamma, active,
@@ -541,8 +557,7 @@ def _draft_tokens(draft_def, draft_params, state: common.LoopState, target_lengt
   keys = jax.random.split(rng, gamma)
   extend = common.draft_extender(draft_def, draft_params)
   if state.recent is None or state.recent.shape[1] == 2:
-    logits, cache, feature = _read_newest(draft_def, draft_params, state, target_lengths,
-                                          extend)
+    logits, cache, feature = _read_newest(draft_def, draft_params, state, target_lengths)
   else:
     logits, cache, feature = _catch_up(draft_def, draft_params, state, target_lengths, reread)
   # `logits` `[B, V]`: the draft's prediction after s_{C−1}, the first proposal's.
@@ -557,20 +572,22 @@ def _draft_tokens(draft_def, draft_params, state: common.LoopState, target_lengt
                          active=active, costs=costs)
 
 
-def _read_newest(draft_def, draft_params, state: common.LoopState, target_lengths, extend):
+def _read_newest(draft_def, draft_params, state: common.LoopState, target_lengths):
   """Rolls the draft back to C−2 positions and re-feeds [s_{C−2}, s_{C−1}] (see the module
-  docstring), with the target's features before them for a feature-conditioned draft.
+  docstring). A feature-conditioned draft instead re-reads the tokens the last round appended,
+  with the target's features before them (`common.reread_feature_block`).
 
   Returns (the draft's logits `[B, V]` after s_{C−1}, its cache, its predicted feature
   `[B, 1, D]` of s_{C−1}, or None for a draft that reads no features).
   """
+  if state.feature_tokens is not None:
+    return common.reread_feature_block(draft_def, draft_params, state.draft_cache,
+                                       state.feature_tokens, state.draft_features,
+                                       state.feature_count, target_lengths)
   cache = draft_def.rollback(state.draft_cache, target_lengths - 1)
   newest = jnp.stack([state.prev_token, state.pending_token], axis=1)
-  if state.draft_features is None:
-    logits, cache = draft_def.extend_last(draft_params, newest, cache)
-    return logits, cache, None
-  logits, cache, feature = extend(newest, state.draft_features, cache)
-  return logits[:, -1], cache, feature
+  logits, cache = draft_def.extend_last(draft_params, newest, cache)
+  return logits, cache, None
 
 
 def _catch_up(draft_def, draft_params, state: common.LoopState, target_lengths, reread):

@@ -9,13 +9,14 @@ the target cache holds C−1 positions and s_{C−1} is pending. One round:
      with `extend_tree` (one call per depth, D calls). Each node's children are the draft's
      top choices after it (or draws without replacement from its q̃); a dynamic tree
      (EAGLE-2) expands the nodes of highest path probability and keeps the best N. A draft
-     that reads the target's features (EAGLE, `protocol.FeatureConditionedDraft`) reads
-     [s_{C−2}, s_{C−1}] first with the target's features before them, as a chain's round
-     does, then at each depth the nodes under the root with `extend_tree_with_features`,
-     each with its parent's feature as the draft predicted it (`_feature_reader`).
+     that reads the target's features (EAGLE, `protocol.FeatureConditionedDraft`) first
+     re-reads the tokens the last round appended (its kept path and t) with the target's
+     features before them, as a chain's round does (`decode_common.reread_feature_block`),
+     then at each depth the nodes under the root with `extend_tree_with_features`, each with
+     its parent's feature as the draft predicted it (`_feature_reader`).
   2. verify: one target `extend_tree` over [s_{C−1}, candidates…] gives p̃ at every node
-     (`extend_tree_with_features` for an EAGLE draft, whose next round starts from the
-     target's features of the kept path: `_hand_off_path_features`).
+     (`extend_tree_with_features` for an EAGLE draft, whose next round re-reads the kept
+     path with the target's features there: `_next_path_block`).
   3. accept (`speculative.tree_round`): recursive rejection over siblings walks down the
      tree; n candidates on one path are kept and one more token t is drawn.
   4. append (`_keep_path`): `keep_tree_path` moves the kept path's keys/values together in
@@ -111,8 +112,18 @@ def tree_speculative_decode(
       jnp.int32(pad_id), tree=tree, sampling=sampling,
       buffer_length=max_new + tree.depth + 1,
       target_capacity=capacity(target, tree.num_nodes),
-      draft_capacity=capacity(draft, token_trees.draft_lookahead(tree) - 1))
+      draft_capacity=capacity(draft, _draft_lookahead(tree, draft.definition) - 1))
   return common.trim(result, max_new)
+
+
+def _draft_lookahead(tree, draft_def) -> int:
+  """Draft cache positions a round may write after C−2: `token_trees.draft_lookahead`, and for
+  a feature-conditioned draft at least its re-read block of depth + 1 rows from C − count
+  (C−1 at the latest), which ends at C + depth − 1."""
+  lookahead = token_trees.draft_lookahead(tree)
+  if isinstance(draft_def, protocol.FeatureConditionedDraft):
+    return max(lookahead, tree.depth + 2)
+  return lookahead
 
 
 def _max_children(tree) -> int:
@@ -155,32 +166,33 @@ def _token_reader(draft_def, draft_params, prev, base):
   return read
 
 
-def _feature_reader(draft_def, draft_params, prev, pending, draft_features, base, pool: int):
+def _feature_reader(draft_def, draft_params, block: tuple, target_lengths, pool: int):
   """`_token_reader` for a `protocol.FeatureConditionedDraft` (EAGLE): each node is read with
   the feature before it, its parent's as the draft predicted it.
 
-  The root's read (m = 1) re-feeds [s_{C−2}, s_{C−1}] after `base` with the target's
-  features before them (`draft_features` `[B, 2, D]`), as a chain's round starts
-  (`speclm.decoding`), and gives the root's predicted feature. Every later read rolls back
-  to `base` + 2 and extends the m − 1 nodes under the root in one `extend_tree_with_features`
-  call, each with its parent's predicted feature: the nodes' features depend only on their
-  path, so re-reading the earlier ones gives the features they had. carry's last entry
-  holds each node's predicted feature `[B, pool, D']` (None before the root's read).
+  The root's read (m = 1) re-reads the last round's appended tokens with the target's
+  features before them (`block`: the loop state's `feature_tokens`, `draft_features` and
+  `feature_count`; `common.reread_feature_block`), as a chain's round
+  starts (`speclm.decoding`), and gives the root's predicted feature. Every later read rolls
+  back to C = `target_lengths` + 1 and extends the m − 1 nodes under the root in one
+  `extend_tree_with_features` call, each with its parent's predicted feature: the nodes'
+  features depend only on their path, so re-reading the earlier ones gives the features they
+  had. carry's last entry holds each node's predicted feature `[B, pool, D']` (None before the
+  root's read).
   """
   def read(carry, tokens, parents, level):
     cache, bad, predicted = carry
     if tokens.shape[1] == 1:
-      newest = jnp.stack([prev, pending], axis=1)
-      logits, features, cache = draft_def.extend_with_features(
-          draft_params, newest, draft_features, draft_def.rollback(cache, base))
-      predicted = jnp.zeros((prev.shape[0], pool, features.shape[-1]), features.dtype)
-      predicted = predicted.at[:, 0].set(features[:, 1])
-      return logits[:, 1:], (cache, bad | common.bad_rows(logits), predicted)
+      logits, cache, feature = common.reread_feature_block(
+          draft_def, draft_params, cache, *block, target_lengths)
+      predicted = jnp.zeros((feature.shape[0], pool, feature.shape[-1]), feature.dtype)
+      predicted = predicted.at[:, 0].set(feature[:, 0])
+      return logits[:, None], (cache, bad | common.bad_rows(logits), predicted)
     below = parents[:, 1:]  # the nodes under the root; the root's children are this tree's roots
     before = jnp.take_along_axis(predicted, below[:, :, None], axis=1)
     logits, features, cache = draft_def.extend_tree_with_features(
         draft_params, tokens[:, 1:], before, token_trees.layout(below - 1),
-        draft_def.rollback(cache, base + 2))
+        draft_def.rollback(cache, target_lengths + 1))
     predicted = predicted.at[:, 1:tokens.shape[1]].set(features.astype(predicted.dtype))
     return logits[:, level - 1], (cache, bad | common.bad_rows(logits), predicted)
   return read
@@ -355,6 +367,8 @@ def _tree_loop(target_def, draft_def, target_params, draft_params, prompts, leng
       target_def, prompts, lengths, limits, rng, eos_id, sampling, buffer_length, tree.depth,
       logits=logits, target_cache=target_cache, draft_cache=draft_cache,
       draft_features=draft_features)
+  if loop.with_features:
+    state = common.first_feature_block(state, tree.depth + 1)
   stats = state.stats
   state = state.replace(stats=stats.replace(
       draft_calls=stats.draft_calls + 1,
@@ -372,12 +386,15 @@ def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
   batch, depth, num_nodes = state.tokens.shape[0], tree.depth, tree.num_nodes + 1
   # The target writes N slots after C−1; the draft `draft_lookahead` after C−2.
   state, target_lengths, active, keys = common.begin_round(
-      state, loop.target_def, loop.draft_def, num_nodes, token_trees.draft_lookahead(tree))
+      state, loop.target_def, loop.draft_def, num_nodes,
+      _draft_lookahead(tree, loop.draft_def))
   rng, draft_key, uniform_key, next_key = keys
-  # 1. The draft builds the tree under [s_{C−2}, s_{C−1}], one call per depth.
+  # 1. The draft builds the tree under [s_{C−2}, s_{C−1}] (an EAGLE draft: under the last
+  #    round's appended tokens, re-read), one call per depth.
   base = target_lengths - 1
-  read = (_feature_reader(loop.draft_def, loop.draft_params, state.prev_token,
-                          state.pending_token, state.draft_features, base, drafted_nodes(tree))
+  block = (state.feature_tokens, state.draft_features, state.feature_count)
+  read = (_feature_reader(loop.draft_def, loop.draft_params, block, target_lengths,
+                          drafted_nodes(tree))
           if loop.with_features else
           _token_reader(loop.draft_def, loop.draft_params, state.prev_token, base))
   carry = (loop.draft_def.rollback(state.draft_cache, base), jnp.zeros((batch,), bool), None)
@@ -411,25 +428,24 @@ def _tree_round(loop: _TreeLoop, state: common.LoopState) -> common.LoopState:
   appended, num_generated, reasons, good, prev = common.commit_round(
       state, active, padded, new_tokens, n, active & (common.bad_rows(logits) | draft_bad),
       loop.limits, loop.eos_id)
+  if features is not None:
+    state = _next_path_block(state, new_tokens, features, result, good)
   return state.replace(
       tokens=appended, num_generated=num_generated,
       prev_token=jnp.where(good, prev, state.prev_token),
       pending_token=jnp.where(good, result.next_token, state.pending_token),
       stop_reasons=reasons, target_cache=target_cache, draft_cache=draft_cache, rng=rng,
       stats=_count_tree_round(state.stats, result, parents, node_probs, target_probs, active,
-                              good, depth, _max_children(tree)),
-      draft_features=None if features is None else _hand_off_path_features(
-          state.draft_features, features, result, good))
+                              good, depth, _max_children(tree)))
 
 
-def _hand_off_path_features(draft_features, features, result: speculative.TreeRoundResult,
-                            good) -> jax.Array:
-  """The next round's `draft_features` `[B, 2, D]` for an EAGLE draft: the target's features
-  `[B, N, D]` of the root and the kept path, handed off as a chain's
-  (`common.hand_off_features`)."""
+def _next_path_block(state: common.LoopState, new_tokens, features,
+                     result: speculative.TreeRoundResult, good) -> common.LoopState:
+  """The next round's re-read block for an EAGLE draft (`common.next_feature_block`): the
+  appended tokens with the target's features `[B, N, D]` of the root and the kept path."""
   reached = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path], axis=1)
-  return common.hand_off_features(
-      draft_features, jnp.take_along_axis(features, reached[:, :, None], axis=1),
+  return common.next_feature_block(
+      state, new_tokens, jnp.take_along_axis(features, reached[:, :, None], axis=1),
       result.num_accepted, good)
 
 

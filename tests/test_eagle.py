@@ -11,6 +11,8 @@ import speclm
 from speclm import decoding
 from speclm import protocol
 from speclm import testing
+from speclm import token_trees
+from speclm import tree_decoding
 from speclm.analysis import measure
 from speclm.models import eagle
 from speclm.models import llama
@@ -336,6 +338,56 @@ def test_eagle3_rounds_replay_on_teacher_forced_beta(six_token_target, monkeypat
   monkeypatch.setattr(decoding, 'protocol', SwappingProtocol())
   with pytest.raises(AssertionError):
     testing.check_greedy_replay(target, draft, PROMPTS % 6, LENGTHS, gamma=1, max_new_tokens=40)
+
+
+def _rounds_on_unrolled_draft(target, draft, prompts, lengths, gamma, limit, tokens):
+  """The acceptance histogram of greedy rounds replayed on `eagle.training_time_test` along
+  the target's greedy text `tokens` `[B, ≥ limit + γ]`: a round whose pending token sits at
+  position v accepts proposal j (0-based) if the unrolled step j's argmax at v + j is the text's
+  token at v + j + 1, and every proposal before it was accepted."""
+  definition, histogram = draft.definition, np.zeros(gamma + 1, np.int64)
+  source = target.definition.with_feature_layers(definition.feature_layers)
+  for row in range(prompts.shape[0]):
+    sequence = jnp.asarray(np.concatenate([prompts[row, :lengths[row]], tokens[row]])[None])
+    width = sequence.shape[1]
+    _, features, _ = source.prefill_with_features(target.params, sequence, jnp.array([width]),
+                                                  source.init_cache(1, width))
+    unrolled = eagle.training_time_test(definition, draft.params, sequence, features, gamma)
+    proposals = np.asarray(draft.params['head_ids'])[np.argmax(unrolled[:, 0], axis=-1)]
+    pending, generated = int(lengths[row]), 1
+    while generated < limit:
+      n = 0
+      while n < gamma and proposals[n, pending + n] == sequence[0, pending + n + 1]:
+        n += 1
+      histogram[n] += 1
+      pending, generated = pending + n + 1, generated + n + 1
+  return histogram
+
+
+@pytest.mark.parametrize('seed', [3, 4])
+def test_every_round_drafts_as_training_time_test_unrolls(six_token_target, seed):
+  """At γ = 3 each round's proposals are the unrolled steps of `eagle.training_time_test`:
+  the draft's cache holds the target's true features at every position before the round, so
+  a round's j-th proposal reads them and its own j − 1 predictions, as training sees it. The
+  draft's attention makes its proposals depend on what its cache holds; a loop that re-read
+  only the newest two tokens (leaving accepted x_1 … x_{n−1} with the draft's predicted
+  features) fails the check for both seeds."""
+  target, base = six_token_target
+  gamma, limit, prompts = 3, LIMIT, PROMPTS % 6
+  draft = _echo3_draft(target, seed)
+  spec = speclm.speculative_decode(target, draft, prompts, LENGTHS, gamma=gamma,
+                                   max_new_tokens=limit)
+  np.testing.assert_array_equal(spec.tokens, base.tokens[:, :limit])
+  histogram = _rounds_on_unrolled_draft(target, draft, prompts, LENGTHS, gamma, limit,
+                                        np.asarray(base.tokens))
+  assert histogram[2:].sum() >= 3  # rounds that kept two or more proposals, x_1 re-read
+  np.testing.assert_array_equal(np.asarray(spec.stats.accepted_histogram), histogram)
+  # The tree loop's root read re-reads the kept path the same way.
+  tree = tree_decoding.tree_speculative_decode(target, draft, prompts, LENGTHS,
+                                               tree=token_trees.TreeShape.chain(gamma),
+                                               max_new_tokens=limit)
+  np.testing.assert_array_equal(tree.tokens, base.tokens[:, :limit])
+  np.testing.assert_array_equal(np.asarray(tree.stats.accepted_histogram), histogram)
 
 
 @pytest.mark.parametrize('feature_layers,input_norms', [(None, False), ((0, 1), False),

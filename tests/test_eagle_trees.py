@@ -96,8 +96,9 @@ def test_each_node_reads_its_own_path(target, draft_name, tree):
   cache, base, prev, pending, draft_features = _start(target, draft)
   sampling = speclm.SamplingConfig(temperature=1.0)
   static = isinstance(tree, TreeShape)
-  read = tree_decoding._feature_reader(draft.definition, draft.params, prev, pending,
-                                       draft_features, base, tree_decoding.drafted_nodes(tree))
+  block = (jnp.stack([prev, pending], axis=1), draft_features, jnp.full((3,), 2, jnp.int32))
+  read = tree_decoding._feature_reader(draft.definition, draft.params, block, base + 1,
+                                       tree_decoding.drafted_nodes(tree))
   carry = (cache, jnp.zeros((3,), bool), None)
   vocab = draft.definition.vocab_size
   built = (tree_decoding._draft_static_tree(read, carry, pending, tree, sampling,
