@@ -150,11 +150,10 @@ class LoopState:
   draft_cache: protocol.Cache
   rng: jax.Array
   stats: DecodeStats
-  # For a FeatureConditionedDraft (None for other drafts): the target's features before the
-  # tokens the draft re-reads at the next round's start. The tree loop: [B, 2, D], before
-  # prev_token and pending_token. The chain loop (`FeatureBlock`): [B, G+1, D], before the
-  # last round's appended tokens `feature_tokens` [B, G+1], of which the first
-  # `feature_count` [B] are real.
+  # For a FeatureConditionedDraft (None for other drafts), the block it re-reads at the next
+  # round's start (`next_feature_block`): the last round's appended tokens `feature_tokens`
+  # [B, W] (W = G+1 for a chain, the depth + 1 for a tree), of which the first
+  # `feature_count` [B] are real, and the target's features before each [B, W, D].
   draft_features: jax.Array | None = None
   feature_tokens: jax.Array | None = None
   feature_count: jax.Array | None = None
@@ -537,8 +536,8 @@ def prefill_feature_draft(draft_def, draft_params, prompts, lengths, features, c
 
 
 def first_feature_block(state: LoopState, width: int) -> LoopState:
-  """The chain loop's first re-read block after prefill: [s_{C−2}, s_{C−1}] with the features
-  before them (`prefill_feature_draft`'s `[B, 2, D]`), padded to `width` = G+1 rows."""
+  """The first re-read block after prefill (chain and tree loops): [s_{C−2}, s_{C−1}] with
+  the features before them (`prefill_feature_draft`'s `[B, 2, D]`), padded to `width` rows."""
   batch = state.prev_token.shape[0]
   tokens = jnp.zeros((batch, width), jnp.int32)
   tokens = tokens.at[:, 0].set(state.prev_token).at[:, 1].set(state.pending_token)
@@ -563,6 +562,15 @@ def next_feature_block(state: LoopState, new_tokens, features, n, good) -> LoopS
       feature_tokens=jnp.where(keep, new_tokens, state.feature_tokens),
       draft_features=jnp.where(keep[:, :, None], features, state.draft_features),
       feature_count=jnp.where(good, n + 1, state.feature_count))
+
+
+def feature_block_lookahead(draft_def, lookahead: int, width: int) -> int:
+  """Draft cache positions a round may write after C−2: `lookahead`, or more for a
+  `protocol.FeatureConditionedDraft`, whose re-read block of `width` rows starts at C − count
+  (C−1 at the latest) and so ends at C + width − 2: width + 1 positions after C−2."""
+  if isinstance(draft_def, protocol.FeatureConditionedDraft):
+    return max(lookahead, width + 1)
+  return lookahead
 
 
 def reread_feature_block(draft_def, draft_params, cache, tokens, features, count,

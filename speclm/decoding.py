@@ -208,7 +208,9 @@ def _run_speculative_loop(target, draft, prompts, lengths, limits, *, gamma, rul
       limits, jax.random.key(seed), end_tokens(eos_id), jnp.int32(pad_id), costs,
       gamma=gamma, rule=None if rule is None else rule.structure(), sampling=sampling,
       buffer_length=max_new + gamma + 1, target_capacity=capacity(target.definition),
-      draft_capacity=capacity(draft.definition, gamma=gamma + _feature_overhang(draft)))
+      draft_capacity=capacity(draft.definition,
+                              gamma=common.feature_block_lookahead(draft.definition, gamma + 1,
+                                                                   gamma + 1) - 1))
   return common.trim(result, max_new)
 
 
@@ -295,15 +297,6 @@ def _speculative_loop(target_def, draft_def, target_params, draft_params, prompt
   return common.finish(state, pad_id)
 
 
-def _feature_overhang(draft_def) -> int:
-  """Draft cache positions past one round's γ+1 lookahead from C−2: one for a
-  feature-conditioned draft, whose re-read block (`common.reread_feature_block`) of G+1 rows
-  starts at C − count, C−1 at the latest."""
-  if isinstance(draft_def, protocol.Model):
-    draft_def = draft_def.definition
-  return int(isinstance(draft_def, protocol.FeatureConditionedDraft))
-
-
 def _prefill_pair(loop: _Loop, rng, buffer_length: int, target_capacity: int,
                   draft_capacity: int) -> common.LoopState:
   """Prefills both models (one function per kind of draft) and builds the first state: the
@@ -374,10 +367,10 @@ def _prefill_features(loop: _Loop, target_cache, draft_cache) -> tuple:
 
 def _round(loop: _Loop, state: common.LoopState) -> common.LoopState:
   """One round of Algorithm 1 for every row: draft, verify, accept, append."""
-  # The target writes γ+1 positions after C−1; the draft γ+1 after C−2.
+  # The target writes γ+1 positions after C−1; the draft γ+1 after C−2 (an EAGLE draft γ+2).
   state, target_lengths, active, keys = common.begin_round(
       state, loop.target_def, loop.draft_def, loop.gamma + 1,
-      loop.gamma + 1 + _feature_overhang(loop.draft_def))
+      common.feature_block_lookahead(loop.draft_def, loop.gamma + 1, loop.gamma + 1))
   rng, draft_key, uniform_key, next_key = keys
   # 0. An adaptive rule picks this round's γ from each row's running α (`speclm.adaptive`).
   round_gamma = None

@@ -117,13 +117,10 @@ def tree_speculative_decode(
 
 
 def _draft_lookahead(tree, draft_def) -> int:
-  """Draft cache positions a round may write after C−2: `token_trees.draft_lookahead`, and for
-  a feature-conditioned draft at least its re-read block of depth + 1 rows from C − count
-  (C−1 at the latest), which ends at C + depth − 1."""
-  lookahead = token_trees.draft_lookahead(tree)
-  if isinstance(draft_def, protocol.FeatureConditionedDraft):
-    return max(lookahead, tree.depth + 2)
-  return lookahead
+  """Draft cache positions a round may write after C−2: `token_trees.draft_lookahead`, or an
+  EAGLE draft's re-read block of depth + 1 rows if that needs more."""
+  return common.feature_block_lookahead(draft_def, token_trees.draft_lookahead(tree),
+                                        tree.depth + 1)
 
 
 def _max_children(tree) -> int:
